@@ -1,0 +1,49 @@
+"""Reference executor: runs the IR with the reference ops and a contiguous KV cache.
+
+It is the oracle that the paged runtime and the lowered kernels are tested against.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from llmaccel.ops.attention import ContiguousKVCache
+from llmaccel.runtime.sampler import SamplingParams, sample
+
+
+@torch.no_grad()
+def forward(gm: torch.fx.GraphModule, ids: torch.Tensor, start: int = 0, ctx=None) -> torch.Tensor:
+    """Logits (B, T, V) for ids (B, T) at positions start .. start + T - 1."""
+    T = ids.shape[1]
+    pos = torch.arange(start, start + T, device=ids.device).expand(ids.shape[0], T)
+    out = gm(ids, pos, ctx)
+    if ctx is not None:
+        ctx.advance(T)
+    return out
+
+
+@torch.no_grad()
+def generate_ids(gm: torch.fx.GraphModule, prompt: list[int], params: SamplingParams, *,
+                 eos_ids: set[int], max_len: int, dtype: torch.dtype, device="cpu") -> Iterator[int]:
+    """Yield generated token ids one by one: one prefill, then one decode step per token."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    n = min(params.max_tokens, max_len - len(prompt))
+    if n <= 0:
+        return
+    cache = ContiguousKVCache(1, len(prompt) + n, dtype, device)
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    ids = torch.tensor([prompt], device=device)
+    logits = forward(gm, ids, 0, cache)[:, -1]
+    for i in range(n):
+        tok = int(sample(logits, params, gen)[0])
+        yield tok
+        if tok in eos_ids and not params.ignore_eos:
+            return
+        if i + 1 < n:
+            logits = forward(gm, torch.tensor([[tok]], device=device), cache.length, cache)[:, -1]

@@ -1,0 +1,132 @@
+"""A compiled model: the IR graph, its config, its tokenizer and how it was made."""
+from __future__ import annotations
+
+from collections import Counter
+from functools import cached_property
+from typing import Iterator
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from llmaccel.compiler import executor
+from llmaccel.compiler.families import capture, set_weight
+from llmaccel.compiler.serialize import graph_from_json
+from llmaccel.compiler.sources import resolve
+from llmaccel.config import ModelConfig
+from llmaccel.errors import LlmaccelError
+from llmaccel.runtime.sampler import SamplingParams
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise LlmaccelError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def get_attr(gm: nn.Module, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def graph_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every tensor the graph reads through get_attr, by target name."""
+    return {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+
+
+def build_graph_module(graph: torch.fx.Graph, weights: dict[str, torch.Tensor], name: str) -> torch.fx.GraphModule:
+    root = nn.Module()
+    for k, v in weights.items():
+        set_weight(root, k, v)
+    return torch.fx.GraphModule(root, graph, class_name=name)
+
+
+def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    c: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            mod = getattr(n.target, "__module__", "") or ""
+            c[n.target.__name__ if mod.startswith("llmaccel.ops") else f"glue:{n.target.__name__}"] += 1
+        elif n.op == "call_method":
+            c[f"glue:.{n.target}"] += 1
+    return dict(sorted(c.items()))
+
+
+class Model:
+    def __init__(self, gm: torch.fx.GraphModule, config: ModelConfig, *, source: str,
+                 tokenizer_dir: str | None = None, recipe: list[dict] | None = None,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.gm, self.config, self.source = gm, config, source
+        self.tokenizer_dir, self.recipe = tokenizer_dir, list(recipe or [])
+        self.dtype, self.device = dtype, device
+
+    @cached_property
+    def tokenizer(self):
+        if self.tokenizer_dir is None:
+            raise LlmaccelError(f"{self.source} has no tokenizer (presets have none); pass token ids")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_dir)
+
+    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise LlmaccelError(f"{self.source}'s tokenizer has no chat template")
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                return_dict=True)["input_ids"])
+        return self.tokenizer(text).input_ids
+
+    def logits(self, ids: torch.Tensor, start: int = 0, ctx=None) -> torch.Tensor:
+        return executor.forward(self.gm, ids.to(self.device), start, ctx)
+
+    def generate_ids(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        return executor.generate_ids(self.gm, prompt, params, eos_ids=self.config.eos_ids,
+                                     max_len=self.config.max_position, dtype=self.dtype,
+                                     device=self.device)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams, *, chat: bool = False) -> Iterator[str]:
+        """Yield text pieces as tokens are generated (decoded incrementally, whole characters only)."""
+        ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        out: list[int] = []
+        shown = ""
+        for tok in self.generate_ids(ids, params):
+            if tok in self.config.eos_ids and not params.ignore_eos:
+                break
+            out.append(tok)
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+                continue
+            yield text[len(shown):]
+            shown = text
+            if params.stop and any(s in shown for s in params.stop):
+                break
+
+    def op_counts(self) -> dict[str, int]:
+        return op_counts(self.gm)
+
+    def save(self, path, report: dict | None = None) -> None:
+        from llmaccel.compiler.artifact import write_artifact
+
+        write_artifact(self, path, report)
+
+
+def load(src: str, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> Model:
+    """Load a model from any source (built-in name, HF dir, .gguf, artifact, preset:NAME)."""
+    dt = parse_dtype(dtype)
+    s = resolve(src, dtype=dt, device=device)
+    if s.manifest is not None:
+        gm = build_graph_module(graph_from_json(s.manifest["graph"]), s.weights, f"{s.config.family}_ir")
+        recipe = s.manifest.get("recipe", [])
+    else:
+        gm = capture(s.config, s.weights)
+        recipe = []
+    return Model(gm, s.config, source=src, tokenizer_dir=s.tokenizer_dir, recipe=recipe,
+                 dtype=dt, device=device)

@@ -1,0 +1,99 @@
+"""IR graph <-> JSON, so that an artifact is rebuilt without pickle and without redoing passes.
+
+Only targets from an allowlist of modules are resolved on load: llmaccel's ops, `operator`,
+`torch` and `torch.nn.functional`.
+"""
+from __future__ import annotations
+
+import importlib
+import operator
+
+import torch
+import torch.fx
+
+from llmaccel.errors import LlmaccelError
+
+_ALLOWED = ("operator", "torch", "torch.nn.functional")
+
+
+def _target_name(fn) -> str:
+    mod = getattr(fn, "__module__", None) or ""
+    if mod.startswith("llmaccel.ops"):
+        return f"{mod}.{fn.__name__}"
+    if mod == "_operator" or getattr(operator, fn.__name__, None) is fn:
+        return "operator." + fn.__name__
+    for m in ("torch.nn.functional", "torch"):
+        if getattr(importlib.import_module(m), fn.__name__, None) is fn:
+            return f"{m}.{fn.__name__}"
+    raise LlmaccelError(f"cannot serialize graph target {fn!r} from module {mod!r}")
+
+
+def _resolve(qual: str):
+    mod, _, name = qual.rpartition(".")
+    if not (mod in _ALLOWED or mod == "llmaccel.ops" or mod.startswith("llmaccel.ops.")):
+        raise LlmaccelError(f"artifact graph names a target outside the allowed modules: {qual}")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise LlmaccelError(f"artifact graph names an unknown op {qual}; is llmaccel too old?") from e
+
+
+def _enc(a):
+    if isinstance(a, torch.fx.Node):
+        return {"node": a.name}
+    if isinstance(a, tuple):
+        return {"tuple": [_enc(x) for x in a]}
+    if isinstance(a, list):
+        return [_enc(x) for x in a]
+    if isinstance(a, dict):
+        return {"dict": {k: _enc(v) for k, v in a.items()}}
+    if isinstance(a, slice):
+        return {"slice": [_enc(a.start), _enc(a.stop), _enc(a.step)]}
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).removeprefix("torch.")}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise LlmaccelError(f"cannot serialize graph argument {a!r}")
+
+
+def _dec(a, nodes):
+    if isinstance(a, list):
+        return [_dec(x, nodes) for x in a]
+    if isinstance(a, dict):
+        (k, v), = a.items()
+        if k == "node":
+            return nodes[v]
+        if k == "tuple":
+            return tuple(_dec(x, nodes) for x in v)
+        if k == "dict":
+            return {kk: _dec(vv, nodes) for kk, vv in v.items()}
+        if k == "slice":
+            return slice(*(_dec(x, nodes) for x in v))
+        if k == "dtype":
+            return getattr(torch, v)
+    return a
+
+
+def graph_to_json(graph: torch.fx.Graph) -> list[dict]:
+    out = []
+    for n in graph.nodes:
+        target = _target_name(n.target) if n.op == "call_function" else n.target
+        out.append({"name": n.name, "op": n.op, "target": target,
+                    "args": _enc(tuple(n.args))["tuple"], "kwargs": _enc(dict(n.kwargs))["dict"]})
+    return out
+
+
+def graph_from_json(data: list[dict]) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    nodes: dict[str, torch.fx.Node] = {}
+    for d in data:
+        target = _resolve(d["target"]) if d["op"] == "call_function" else d["target"]
+        args = tuple(_dec(a, nodes) for a in d["args"])
+        kwargs = {k: _dec(v, nodes) for k, v in d["kwargs"].items()}
+        if d["op"] == "output":
+            g.output(args[0])
+            continue
+        n = g.create_node(d["op"], target, args, kwargs, name=d["name"])
+        nodes[d["name"]] = n
+    g.lint()
+    return g

@@ -1,0 +1,68 @@
+"""Evaluation and calibration text: a file split by characters, or samples from a model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmaccel.errors import LlmaccelError
+from llmaccel.ops.attention import ContiguousKVCache
+from llmaccel.runtime.sampler import SamplingParams, sample
+
+SPLITS = ("first-half", "second-half", "all")
+
+
+def read_split(path: str, split: str) -> str:
+    """The file's text, read without newline translation, cut in half by characters."""
+    if split not in SPLITS:
+        raise LlmaccelError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    p = Path(path)
+    if not p.is_file():
+        raise LlmaccelError(f"no such text file: {path}")
+    with open(p, encoding="utf-8", newline="") as f:
+        text = f.read()
+    half = len(text) // 2
+    return {"first-half": text[:half], "second-half": text[half:], "all": text}[split]
+
+
+def file_tokens(model, path: str, split: str, max_tokens: int | None) -> torch.Tensor:
+    ids = model.tokenizer(read_split(path, split)).input_ids
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise LlmaccelError(f"{path} ({split}) gives fewer than 2 tokens")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
+                   batch: int = 4) -> torch.Tensor:
+    """Seeded samples (temperature 1) from `model`, concatenated to n_tokens ids.
+
+    Lets fidelity be measured, and passes be calibrated, with no data file at all.
+    """
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    params = SamplingParams(temperature=1.0)
+    start = model.config.bos_token_id if model.config.bos_token_id is not None else 0
+    out: list[torch.Tensor] = []
+    total = 0
+    while total < n_tokens:
+        B = min(batch, -(-(n_tokens - total) // seq_len))
+        cache = ContiguousKVCache(B, seq_len, model.dtype, model.device)
+        seqs = torch.full((B, 1), start, dtype=torch.long, device=model.device)
+        tok = seqs
+        for _ in range(seq_len - 1):
+            logits = model.logits(tok, cache.length, cache)[:, -1]
+            tok = sample(logits, params, gen)[:, None]
+            seqs = torch.cat([seqs, tok], dim=1)
+        out.extend(seqs.cpu())
+        total += B * seq_len
+    return torch.cat(out)[:n_tokens]
+
+
+def load_tokens(model, text: str, split: str, max_tokens: int | None, *, ctx: int = 512,
+                seed: int = 0) -> torch.Tensor:
+    """Token ids for `text` = a file path or 'self' (samples from `model`)."""
+    if text == "self":
+        return sampled_tokens(model, max_tokens or 4 * ctx, seq_len=ctx, seed=seed)
+    return file_tokens(model, text, split, max_tokens)

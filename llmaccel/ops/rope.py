@@ -1,0 +1,33 @@
+"""Rotary position embedding frequencies (default, linear and llama3 scaling)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmaccel.errors import LlmaccelError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse RoPE frequencies, with the scaling the config names (default, linear, llama3)."""
+    d = head_dim
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wl < hi_wl) & ~(wl > lo_wl)
+        return torch.where(medium, smoothed, scaled)
+    raise LlmaccelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
