@@ -26,7 +26,8 @@ def read_split(path: str, split: str) -> str:
 
 
 def file_tokens(model, path: str, split: str, max_tokens: int | None) -> torch.Tensor:
-    ids = model.tokenizer(read_split(path, split)).input_ids
+    text = read_split(path, split)
+    ids = model.tokenizer(text).input_ids
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:

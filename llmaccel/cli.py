@@ -1,0 +1,162 @@
+"""llmc: the command line. User errors print one line and exit with code 2 (--debug: traceback)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from llmaccel.errors import LlmaccelError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="smollm2-135m | preset:NAME | HF dir | .gguf | artifact dir")
+    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16")
+    p.add_argument("--device", default="cpu")
+
+
+def cmd_compile(a) -> None:
+    from llmaccel.compiler.pipeline import compile
+    from llmaccel.compiler.report import render_markdown
+    from llmaccel.passes.base import parse_sets
+
+    model = compile(a.src, a.passes or "", parse_sets(a.set), calib=a.calib, calib_split=a.calib_split,
+                    verify=a.verify, eval_tokens=a.eval_tokens, dtype=a.dtype, device=a.device)
+    model.save(a.output, model.report)
+    print(render_markdown(model.report))
+    print(f"wrote {a.output}")
+
+
+def cmd_eval(a) -> None:
+    from llmaccel.compiler.model import load
+    from llmaccel.eval.perplexity import evaluate
+    from llmaccel.eval.text import load_tokens
+
+    if a.ctx < 1:
+        raise LlmaccelError(f"--ctx must be positive, got {a.ctx}")
+    model = load(a.src, dtype=a.dtype, device=a.device)
+    baseline = load(a.baseline, dtype=a.dtype, device=a.device) if a.baseline else None
+    if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
+        raise LlmaccelError(f"baseline vocabulary ({baseline.config.vocab_size}) differs from the "
+                            f"model's ({model.config.vocab_size})")
+    ids = load_tokens(baseline or model, a.text, a.split, a.max_tokens, ctx=a.ctx)
+    res = evaluate(model, ids, ctx=a.ctx, baseline=baseline)
+    res["text"] = a.text if a.text == "self" else f"{a.text} ({a.split})"
+    line = f"ppl {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows of {a.ctx})"
+    if baseline is not None:
+        line += f"; KL {res['kl']:.6f}, top-1 {100 * res['top1']:.2f}% vs {a.baseline}"
+    print(line)
+    if a.json:
+        print(json.dumps(res))
+
+
+def cmd_generate(a) -> None:
+    from llmaccel.compiler.model import load
+    from llmaccel.runtime.sampler import SamplingParams
+
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                            max_tokens=a.max_new_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
+    model = load(a.src, dtype=a.dtype, device=a.device)
+    for piece in model.stream(a.prompt, params, chat=a.chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_show(a) -> None:
+    from llmaccel.compiler.pipeline import compile
+    from llmaccel.passes.base import parse_sets
+
+    model = compile(a.src, a.passes or "", parse_sets(a.set), dtype=a.dtype, device=a.device,
+                    eval_tokens=0, progress=False)
+    c = model.config
+    print(f"{a.src}: family {c.family} ({c.model_type}), {c.n_layers} layers, hidden {c.hidden_size}, "
+          f"heads {c.n_heads}/{c.n_kv_heads} kv, head_dim {c.head_dim}, vocab {c.vocab_size}")
+    n_params = sum(p.numel() for p in model.gm.parameters())
+    print(f"weights: {n_params:,} elements")
+    print("\nop counts:")
+    for op, n in model.op_counts().items():
+        print(f"  {op:<20} {n}")
+    if not a.counts_only:
+        print("\ngraph:")
+        print(model.gm.graph)
+
+
+def cmd_passes(a) -> None:
+    from llmaccel.passes import registry
+    from llmaccel.passes.base import describe_type, option_fields
+
+    for name, cls in registry().items():
+        print(f"{name:<10} {'exact' if cls.exact else 'approximate':<12} {cls.summary}")
+        for key, (tp, default) in option_fields(cls.config_cls).items():
+            print(f"    {name}.{key}: {describe_type(tp)} = {default}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="llmc", description="llmaccel: LLM inference compiler and runtime")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("compile", help="run passes and write an artifact directory")
+    _model_args(p)
+    p.add_argument("--passes", default="", help="comma-separated pass names, run in order")
+    p.add_argument("--set", action="append", default=[], metavar="PASS.KEY=VALUE")
+    p.add_argument("--calib", default="self", help="calibration text file, or 'self' (samples of the source)")
+    p.add_argument("--calib-split", default="first-half", choices=["first-half", "second-half", "all"])
+    p.add_argument("--verify", action="store_true", help="compare logits before/after each pass")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="held-apart tokens for the quality check (default 4096 when a pass is approximate)")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=cmd_compile)
+
+    p = sub.add_parser("eval", help="perplexity, and KL / top-1 against a baseline")
+    _model_args(p)
+    p.add_argument("--text", default="self", help="text file, or 'self' (seeded samples of the baseline or model)")
+    p.add_argument("--split", default="all", choices=["first-half", "second-half", "all"])
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--baseline", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("generate", help="stream a continuation of a prompt")
+    _model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("show", help="print the IR: op counts and the graph")
+    _model_args(p)
+    p.add_argument("--passes", default="")
+    p.add_argument("--set", action="append", default=[], metavar="PASS.KEY=VALUE")
+    p.add_argument("--counts-only", action="store_true")
+    p.set_defaults(fn=cmd_show)
+
+    p = sub.add_parser("passes", help="list passes and their options")
+    p.set_defaults(fn=cmd_passes)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        a.fn(a)
+    except LlmaccelError as e:
+        if a.debug:
+            raise
+        print(f"llmc: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llmc: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

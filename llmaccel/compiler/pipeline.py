@@ -1,0 +1,115 @@
+"""The compile pipeline: load a source, run passes in order, verify, measure, report."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from llmaccel.compiler.model import Model, load, op_counts
+from llmaccel.errors import LlmaccelError
+from llmaccel.eval.text import SPLITS, load_tokens
+from llmaccel.passes import get_pass
+from llmaccel.passes.base import PassContext, Progress, make_config
+
+_OTHER_HALF = {"first-half": "second-half", "second-half": "first-half"}
+
+
+def parse_pass_list(passes) -> list[str]:
+    if isinstance(passes, str):
+        passes = [p for p in passes.split(",")]
+    names = [p.strip() for p in passes if p.strip()]
+    for n in names:
+        get_pass(n)
+    return names
+
+
+def _calib_source(calib: str, split: str, source: Model):
+    def make(n: int, seq_len: int) -> torch.Tensor:
+        ids = load_tokens(source, calib, split, n * seq_len, ctx=seq_len, seed=0)
+        n_full = len(ids) // seq_len
+        if n_full == 0:
+            raise LlmaccelError(f"calibration text gives {len(ids)} tokens, fewer than one "
+                                f"sample of {seq_len}")
+        return ids[: n_full * seq_len].view(n_full, seq_len)
+    return make
+
+
+def _verify(before: torch.Tensor, after: torch.Tensor) -> dict:
+    diff = (after.float() - before.float()).abs()
+    return {"max_abs": diff.max().item(),
+            "max_rel": (diff / before.float().abs().clamp_min(1e-6)).max().item(),
+            "max_abs_over_max": diff.max().item() / before.float().abs().max().item()}
+
+
+def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "self",
+            calib_split: str = "first-half", verify: bool = False, eval_tokens: int | None = None,
+            dtype="float32", device: str = "cpu", progress: bool = True) -> Model:
+    """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how."""
+    if calib_split not in SPLITS:
+        raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
+    names = parse_pass_list(passes)
+    options = options or {}
+    for name in options:
+        if name not in names:
+            get_pass(name)
+            raise LlmaccelError(f"options given for pass {name!r}, which is not in the pass list")
+    configs = [make_config(get_pass(n), options.get(n, {})) for n in names]
+    model = load(source, dtype=dtype, device=device)
+    reporter = Progress(progress)
+    # Passes and the quality check compare against the model as it was loaded.
+    baseline = load(source, dtype=dtype, device=device) if any(not get_pass(n).exact for n in names) else None
+    ctx = PassContext(model.config, device, reporter,
+                      calib_source=_calib_source(calib, calib_split, baseline or model),
+                      source_model=baseline)
+    sample = torch.randint(0, model.config.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    report = {"source": source, "dtype": str(model.dtype).removeprefix("torch."),
+              "calib": calib, "calib_split": calib_split, "ops_before": model.op_counts(),
+              "passes": []}
+    for name, cfg in zip(names, configs):
+        cls = get_pass(name)
+        before = model.logits(sample) if verify else None
+        reporter.log(f"pass {name} ...")
+        t0 = time.perf_counter()
+        res = cls(cfg).run(model.gm, ctx)
+        res.gm.graph.lint()
+        res.gm.recompile()
+        model.gm = res.gm
+        entry = {"name": name, "options": dataclasses.asdict(cfg), "exact": cls.exact,
+                 "changed": res.changed, "stats": res.stats,
+                 "seconds": round(time.perf_counter() - t0, 3)}
+        if verify:
+            entry["verify"] = _verify(before, model.logits(sample))
+        model.recipe.append(entry)
+        report["passes"].append(entry)
+    report["ops_after"] = model.op_counts()
+    if eval_tokens is None:
+        eval_tokens = 4096 if baseline is not None else 0
+    if eval_tokens:
+        report["quality"] = _held_apart_quality(model, baseline or load(source, dtype=dtype, device=device),
+                                                calib, calib_split, eval_tokens, progress)
+    model.report = report
+    return model
+
+
+def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress) -> dict:
+    """Perplexity and KL against the source on text the passes were not calibrated on."""
+    from llmaccel.eval.perplexity import evaluate
+
+    if calib == "self":
+        ids = load_tokens(baseline, "self", "all", n_tokens, seed=1)  # calibration used seed 0
+        text = "self (seed 1)"
+    elif calib_split in _OTHER_HALF:
+        split = _OTHER_HALF[calib_split]
+        ids = load_tokens(baseline, calib, split, n_tokens)
+        text = f"{calib} ({split})"
+    else:
+        return {"skipped": "calibration used the whole file: no held-apart text"}
+    res = evaluate(model, ids, baseline=baseline, progress=progress)
+    base = evaluate(baseline, ids, progress=progress)
+    res.update(text=text, baseline_ppl=base["ppl"], delta_ppl_pct=100 * (res["ppl"] / base["ppl"] - 1))
+    return res
+
+
+__all__ = ["compile", "op_counts"]

@@ -1,0 +1,36 @@
+"""Compile report rendering (report.json holds the same facts)."""
+from __future__ import annotations
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_markdown(r: dict) -> str:
+    lines = [f"# Compile report: {r['source']}", "",
+             f"dtype {r['dtype']}; calibration: {r['calib']} ({r['calib_split']})", ""]
+    if r["passes"]:
+        lines += ["| pass | exact | changed | stats | verify max abs | seconds |",
+                  "|---|---|---|---|---|---|"]
+        for p in r["passes"]:
+            stats = ", ".join(f"{k}={_fmt(v)}" for k, v in p["stats"].items())
+            ver = _fmt(p["verify"]["max_abs"]) if "verify" in p else "-"
+            lines.append(f"| {p['name']} | {'yes' if p['exact'] else 'no'} | {p['changed']} | "
+                         f"{stats} | {ver} | {p['seconds']} |")
+    else:
+        lines.append("No passes: the captured graph as is.")
+    lines += ["", "| op | before | after |", "|---|---|---|"]
+    for op in sorted(set(r["ops_before"]) | set(r["ops_after"])):
+        lines.append(f"| {op} | {r['ops_before'].get(op, 0)} | {r['ops_after'].get(op, 0)} |")
+    q = r.get("quality")
+    if q:
+        lines.append("")
+        if "skipped" in q:
+            lines.append(f"Quality: skipped ({q['skipped']}).")
+        else:
+            lines.append(f"Quality on {q['text']}, {q['tokens']} tokens, ctx {q['ctx']}: "
+                         f"ppl {q['ppl']:.4f} (source {q['baseline_ppl']:.4f}, "
+                         f"{q['delta_ppl_pct']:+.2f}%), KL {q['kl']:.5f}, top-1 {100 * q['top1']:.2f}%")
+    return "\n".join(lines) + "\n"
