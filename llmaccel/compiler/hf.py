@@ -75,7 +75,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                     layer_norm_epsilon=cfg.norm_eps, activation_function=cfg.hidden_act,
                     bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, tie_word_embeddings=True)
     rope = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
-    return dict(model_type=cfg.model_type, architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
+    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(cfg.model_type, "LlamaForCausalLM")
+    return dict(model_type=cfg.model_type, architectures=[arch], vocab_size=cfg.vocab_size,
                 hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers,
                 num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                 head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,6 +49,8 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how."""
     if calib_split not in SPLITS:
         raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
+    if calib != "self" and not Path(calib).is_file():
+        raise LlmaccelError(f"no such text file: {calib} (--calib takes a text file or 'self')")
     names = parse_pass_list(passes)
     options = options or {}
     for name in options:

@@ -42,8 +42,12 @@ _STD = {"tiny-llama": 0.15, "tiny-gpt2": 0.15}
 
 def preset_weights(name: str, dtype: torch.dtype = torch.float32, device="cpu",
                    seed: int = 0) -> dict[str, torch.Tensor]:
-    cfg = PRESETS[name]
-    std = _STD.get(name, 0.02)
+    return random_weights(PRESETS[name], std=_STD.get(name, 0.02), dtype=dtype, device=device, seed=seed)
+
+
+def random_weights(cfg: ModelConfig, *, std: float = 0.02, dtype: torch.dtype = torch.float32,
+                   device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every tensor of cfg's canonical model."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for wname, shape in weight_shapes(cfg).items():

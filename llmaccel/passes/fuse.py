@@ -28,8 +28,12 @@ class FuseConfig:
 def _can_absorb(gm: torch.fx.GraphModule, user: torch.fx.Node, norm: torch.fx.Node) -> bool:
     if not (is_op(user, ops.linear, ops.lm_head) and user.args[0] is norm):
         return False
-    target = user.args[1].target
-    return sum(n.op == "get_attr" and n.target == target for n in gm.graph.nodes) == 1
+    w = user.args[1]
+    if is_op(user, ops.linear):
+        return True
+    # The LM head may absorb the scale only if its weight is its own (not tied to the embedding).
+    readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == w.target]
+    return len(readers) == 1 and len(w.users) == 1
 
 
 def _fold_norms(gm: torch.fx.GraphModule) -> dict:

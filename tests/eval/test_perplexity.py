@@ -1,0 +1,47 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmaccel.compiler.model import load
+from llmaccel.eval.perplexity import evaluate
+from llmaccel.eval.text import read_split, sampled_tokens
+from llmaccel.errors import LlmaccelError
+
+
+def test_windows_and_ppl_match_a_direct_computation():
+    m = load("preset:tiny-llama")
+    ids = torch.randint(0, 512, (70,))
+    res = evaluate(m, ids, ctx=32, progress=False)
+    nll, n = 0.0, 0
+    for s in (0, 32, 64):  # predict ids[s+1 : s+33] from ids[s : s+32]; the last window is short
+        y = ids[s + 1: s + 33]
+        lo = m.logits(ids[s: s + len(y)][None])[0]
+        nll += F.cross_entropy(lo, y, reduction="sum").item()
+        n += len(y)
+    assert res["tokens"] == n == 69 and res["windows"] == 3
+    assert res["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-6)
+
+
+def test_baseline_against_itself_has_zero_kl():
+    m = load("preset:tiny-gpt2")
+    res = evaluate(m, torch.randint(0, 512, (40,)), ctx=16, baseline=load("preset:tiny-gpt2"), progress=False)
+    assert res["kl"] == pytest.approx(0.0, abs=1e-6) and res["top1"] == 1.0
+
+
+def test_self_text_is_seeded_and_sized():
+    m = load("preset:tiny-llama")
+    a = sampled_tokens(m, 50, seq_len=16, seed=3)
+    b = sampled_tokens(m, 50, seq_len=16, seed=3)
+    assert a.shape == (50,) and torch.equal(a, b)
+    assert not torch.equal(a, sampled_tokens(m, 50, seq_len=16, seed=4))
+
+
+def test_split_by_characters_without_newline_translation(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_bytes(b"ab\r\ncd\r\n")
+    assert read_split(str(p), "all") == "ab\r\ncd\r\n"
+    assert read_split(str(p), "first-half") == "ab\r\n"
+    with pytest.raises(LlmaccelError, match="no such text file"):
+        read_split(str(tmp_path / "missing.txt"), "all")

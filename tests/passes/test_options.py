@@ -1,0 +1,37 @@
+import pytest
+
+from llmaccel.compiler.pipeline import compile
+from llmaccel.errors import LlmaccelError
+from llmaccel.passes import get_pass, registry
+from llmaccel.passes.base import make_config, parse_sets
+
+
+def test_registry_names_match_files():
+    for name, cls in registry().items():
+        assert cls.name == name and cls.__module__ == f"llmaccel.passes.{name}"
+
+
+def test_unknown_pass_lists_known():
+    with pytest.raises(LlmaccelError, match="known passes: fuse"):
+        get_pass("nope")
+
+
+def test_typed_options():
+    cfg = make_config(get_pass("fuse"), {"norms": "false", "linears": "yes"})
+    assert cfg.norms is False and cfg.linears is True
+    with pytest.raises(LlmaccelError, match="expected true or false"):
+        make_config(get_pass("fuse"), {"norms": "sometimes"})
+    with pytest.raises(LlmaccelError, match="options of fuse: norms, linears, add_norm"):
+        make_config(get_pass("fuse"), {"bits": "4"})
+
+
+def test_parse_sets():
+    assert parse_sets(["fuse.norms=false", "quant.bits=4"]) == {"fuse": {"norms": "false"}, "quant": {"bits": "4"}}
+    for bad in ["fuse", "fuse=1", ".x=1", "fuse.=1"]:
+        with pytest.raises(LlmaccelError, match="PASS.KEY=VALUE"):
+            parse_sets([bad])
+
+
+def test_options_for_pass_not_in_list():
+    with pytest.raises(LlmaccelError, match="not in the pass list"):
+        compile("preset:tiny-llama", [], {"fuse": {"norms": "false"}}, progress=False)

