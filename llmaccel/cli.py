@@ -39,9 +39,11 @@ def cmd_eval(a) -> None:
         raise LlmaccelError(f"baseline vocabulary ({baseline.config.vocab_size}) differs from the "
                             f"model's ({model.config.vocab_size})")
     ids = load_tokens(baseline or model, a.text, a.split, a.max_tokens, ctx=a.ctx)
-    res = evaluate(model, ids, ctx=a.ctx, baseline=baseline)
+    res = evaluate(model, ids, ctx=a.ctx, baseline=baseline, chunk=a.chunk)
     res["text"] = a.text if a.text == "self" else f"{a.text} ({a.split})"
     line = f"ppl {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows of {a.ctx})"
+    if res["chunk"] is not None:
+        line += f", prefilled in chunks of {res['chunk']} through the KV cache"
     if baseline is not None:
         line += f"; KL {res['kl']:.6f}, top-1 {100 * res['top1']:.2f}% vs {a.baseline}"
     print(line)
@@ -51,15 +53,21 @@ def cmd_eval(a) -> None:
 
 def cmd_generate(a) -> None:
     from llmaccel.compiler.model import load
+    from llmaccel.runtime.engine import LLM
     from llmaccel.runtime.sampler import SamplingParams
 
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                            max_tokens=a.max_new_tokens, seed=a.seed, ignore_eos=a.ignore_eos)
+                            max_tokens=a.max_new_tokens, seed=a.seed, ignore_eos=a.ignore_eos,
+                            stop=a.stop or None)
     model = load(a.src, dtype=a.dtype, device=a.device)
-    for piece in model.stream(a.prompt, params, chat=a.chat):
+    llm = LLM(model, speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)
+    prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
+    for piece in llm.stream(prompt, params):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if a.stats:
+        print(json.dumps(llm.metrics()), file=sys.stderr)
 
 
 def cmd_show(a) -> None:
@@ -115,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--baseline", default=None)
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill each window N tokens at a time through the KV cache "
+                        "(default: 32 for a quantized KV cache, else one forward)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(fn=cmd_eval)
 
@@ -128,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--speculative", default=None, metavar="self|ngram|SRC",
+                   help="speculative decoding: the target's own first layers, prompt lookup, "
+                        "or a draft model with the same tokenizer")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--stats", action="store_true", help="print runtime metrics (JSON) to stderr")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("show", help="print the IR: op counts and the graph")
@@ -139,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("passes", help="list passes and their options")
     p.set_defaults(fn=cmd_passes)
+
+    from llmaccel.bench.cli import add_parser as add_bench
+
+    add_bench(sub)
     return ap
 
 

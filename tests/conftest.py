@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter. Set here, before any test module imports
+# triton, and only then: on a GPU machine the same session must compile real kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

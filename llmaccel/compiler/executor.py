@@ -9,7 +9,22 @@ from typing import Iterator
 import torch
 
 from llmaccel.ops.attention import ContiguousKVCache
+from llmaccel.ops.kvquant import QuantizedKVCache, kv_quant_attention
 from llmaccel.runtime.sampler import SamplingParams, sample
+
+
+def kv_quant_specs(gm: torch.fx.GraphModule) -> dict[int, dict]:
+    """layer -> KV-cache quantization spec, for the attention nodes that carry one."""
+    return {n.kwargs["layer"]: dict(n.kwargs["kv_quant"]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is kv_quant_attention}
+
+
+def make_cache(gm: torch.fx.GraphModule, batch: int, max_len: int, dtype: torch.dtype, device="cpu"):
+    """The attention context this graph needs: quantized if its attention nodes say so."""
+    specs = kv_quant_specs(gm)
+    if specs:
+        return QuantizedKVCache(batch, max_len, dtype, device, specs)
+    return ContiguousKVCache(batch, max_len, dtype, device)
 
 
 @torch.no_grad()
@@ -32,7 +47,7 @@ def generate_ids(gm: torch.fx.GraphModule, prompt: list[int], params: SamplingPa
     n = min(params.max_tokens, max_len - len(prompt))
     if n <= 0:
         return
-    cache = ContiguousKVCache(1, len(prompt) + n, dtype, device)
+    cache = make_cache(gm, 1, len(prompt) + n, dtype, device)
     gen = torch.Generator(device=device)
     if params.seed is not None:
         gen.manual_seed(params.seed)

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 
 def _fmt(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return f"[{len(v)} values, in report.json]"
+    if isinstance(v, dict):
+        return f"{{{len(v)} entries, in report.json}}"
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)

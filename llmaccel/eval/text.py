@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
+from llmaccel.compiler.executor import make_cache
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.runtime.sampler import SamplingParams, sample
 
 SPLITS = ("first-half", "second-half", "all")
@@ -49,7 +49,7 @@ def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
     total = 0
     while total < n_tokens:
         B = min(batch, -(-(n_tokens - total) // seq_len))
-        cache = ContiguousKVCache(B, seq_len, model.dtype, model.device)
+        cache = make_cache(model.gm, B, seq_len, model.dtype, model.device)
         seqs = torch.full((B, 1), start, dtype=torch.long, device=model.device)
         tok = seqs
         for _ in range(seq_len - 1):

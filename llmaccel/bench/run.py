@@ -1,0 +1,209 @@
+"""Measure the static-batch decode path the way the peers in ../shared/bench measure theirs.
+
+decode_tok_s: batch * gen output tokens over the whole generate call (prefill included: its
+token is the first output), after warm-up runs, so the figure compares with the peers' directly.
+The roofline divides the bytes a decode step must read (every weight once, except an untied
+embedding table of which a step reads a few rows, plus the KV cache at the mean context length)
+by a copy bandwidth: 4.27e12 B/s measured on the H200, or the one measured in the run.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import torch
+
+from llmaccel import ops
+from llmaccel.codegen.engine import DecodeEngine
+from llmaccel.codegen.lower import attention_layers
+from llmaccel.compiler.model import get_attr
+from llmaccel.errors import LlmaccelError
+
+H200_COPY_BW = 4.27e12  # B/s, measured device-to-device copy (read + write) on one H200
+
+
+def weight_bytes_per_step(gm: torch.fx.GraphModule) -> int:
+    """Bytes of every tensor the graph reads in full at each step (embedding-only tables excluded)."""
+    seen, total = set(), 0
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        if n.users and all(u.op == "call_function" and u.target is ops.embedding and u.args[1] is n
+                           for u in n.users):
+            continue
+        t = get_attr(gm, n.target)
+        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_step(gm: torch.fx.GraphModule, batch: int, context: float, elem_size: int) -> float:
+    return sum(2 * batch * kv * hd * context * elem_size for kv, hd in attention_layers(gm).values())
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    bw = 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def profile_decode(eng: DecodeEngine, ids: torch.Tensor, steps: int = 8) -> dict:
+    """Kernels per decode step and their GPU time, from the profiler (CUDA graph replays included).
+
+    GPU time per step against the wall time per step says how much is launch gaps and host work.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.start(ids)
+    for _ in range(2):
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0)
+        if e.count and t:
+            rows.append((e.key, e.count / steps, t / 1e3 / steps))
+    rows.sort(key=lambda r: -r[2])
+    return {"kernels_per_step": sum(r[1] for r in rows),
+            "gpu_ms_per_step": sum(r[2] for r in rows),
+            "top_kernels": [{"name": n[:80], "per_step": c, "ms": round(ms, 4)} for n, c, ms in rows[:10]]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device) -> tuple[float, object]:
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256, dtype="auto",
+          device="auto", passes="fuse", options: dict | None = None, compile: bool | None = None,
+          mode: str | None = "auto", lower_ops="all", linear: str = "auto", attn: str = "auto",
+          warmup: int = 2, measure_bw: bool = True, tune: bool = False, profile: bool = True,
+          seed: int = 0) -> dict:
+    from llmaccel.compiler.pipeline import compile as compile_model
+
+    if min(batch, prompt_len, gen_len) < 1:
+        raise LlmaccelError(f"--batch, --prompt-len and --gen-len must be positive "
+                            f"(got {batch}, {prompt_len}, {gen_len})")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LlmaccelError("--device cuda given but no CUDA device is available")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    t0 = time.perf_counter()
+    model = compile_model(src, passes, options or {}, dtype=dtype, device=device, eval_tokens=0,
+                          progress=False)
+    load_s = time.perf_counter() - t0
+    need = prompt_len + gen_len
+    max_len = min(64 * math.ceil(need / 64), model.config.max_position)
+    if need > max_len:
+        raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
+    eng = DecodeEngine(model, batch, max_len, compile=compile, mode=mode, lower_ops=lower_ops,
+                       linear=linear, attn=attn, tune=tune)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+
+    from torch._dynamo.utils import counters
+
+    skips0 = counters["inductor"]["cudagraph_skips"]
+    warm_s, _ = _timed(lambda: [eng.generate(ids, gen_len) for _ in range(warmup)], dev)
+    prefill_s = min(_timed(lambda: eng.prefill(ids), dev)[0] for _ in range(3))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    gen_s, out = _timed(lambda: eng.generate(ids, gen_len), dev)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert out.shape == (batch, gen_len)
+
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    w_bytes = weight_bytes_per_step(model.gm)
+    kv_bytes = kv_bytes_per_step(model.gm, batch, prompt_len + gen_len / 2, elem)
+    step_bytes = w_bytes + kv_bytes
+    step_s = (gen_s - prefill_s) / (gen_len - 1) if gen_len > 1 else None
+    measured_bw = copy_bandwidth(dev) if measure_bw else None
+    res = {
+        "tool": "llmc", "src": src, "batch": batch, "prompt": prompt_len, "gen": gen_len,
+        "dtype": str(model.dtype).removeprefix("torch."), "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "passes": [p["name"] for p in model.recipe], "compiled": eng.compiled,
+        "linear": eng.linear, "attn": eng.attn, "tune": tune, "max_len": max_len,
+        "custom_ops": eng.report.custom, "custom_ops_rejected": sorted(eng.report.rejected),
+        "decode_tok_s": batch * gen_len / gen_s,
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "tpot_ms": 1e3 * gen_s / gen_len, "step_ms": step_s and 1e3 * step_s, "generate_s": gen_s,
+        "peak_mem_bytes": int(peak), "weight_bytes": w_bytes, "kv_bytes_per_step": int(kv_bytes),
+        "bytes_per_step": int(step_bytes), "load_s": load_s, "warmup_s": warm_s,
+        "torch": torch.__version__,
+    }
+    if dev.type == "cuda" and eng.compiled:
+        # each skip means a step runs kernel by kernel; TORCH_LOGS=cudagraphs says why
+        res["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+    if dev.type == "cuda" and profile and gen_len > 12:
+        try:
+            res.update(profile_decode(eng, ids))
+        except Exception as e:  # the profile is extra information; the figures above stand
+            res["profile_error"] = f"{type(e).__name__}: {e}"[:200]
+    if dev.type == "cuda":
+        bw = H200_COPY_BW
+        res.update(copy_bw_measured=measured_bw, roofline_bw=bw,
+                   roofline_tok_s=batch * bw / step_bytes,
+                   roofline_frac=(step_bytes / bw) / step_s if gen_len > 1 else None)
+        if measured_bw:
+            res["roofline_frac_measured_bw"] = (step_bytes / measured_bw) / step_s if gen_len > 1 else None
+    return res
+
+
+def render(res: dict) -> str:
+    lines = [f"{res['src']} {res['dtype']} on {res['device_name']}: batch {res['batch']}, "
+             f"prompt {res['prompt']}, gen {res['gen']} (passes: {','.join(res['passes']) or '-'}, "
+             f"compiled: {res['compiled']}, linear {res['linear']}, attn {res['attn']})",
+             f"  decode   {res['decode_tok_s']:10.1f} tok/s  (output tokens over the whole generate)",
+             f"  prefill  {res['prefill_tok_s']:10.1f} tok/s",
+             f"  per step {res['step_ms'] or 0:10.3f} ms     (time per output token {res['tpot_ms']:.3f} ms)",
+             f"  peak mem {res['peak_mem_bytes'] / 2**30:10.2f} GiB",
+             f"  bytes/step {res['bytes_per_step'] / 1e9:8.3f} GB  (weights {res['weight_bytes'] / 1e9:.3f}, "
+             f"KV {res['kv_bytes_per_step'] / 1e9:.3f})"]
+    if "roofline_tok_s" in res:
+        lines.append(f"  roofline {res['roofline_tok_s']:10.1f} tok/s at {res['roofline_bw'] / 1e12:.2f} TB/s; "
+                     f"decode step at {100 * (res['roofline_frac'] or 0):.1f}% of it")
+    if res.get("cudagraph_skips"):
+        lines.append(f"  WARNING: Inductor skipped CUDA graphs {res['cudagraph_skips']} time(s) (see the log)")
+    if "kernels_per_step" in res:
+        lines.append(f"  profile  {res['kernels_per_step']:10.1f} kernels/step, GPU busy "
+                     f"{res['gpu_ms_per_step']:.3f} ms/step")
+    if res["custom_ops"]:
+        lines.append("  custom ops: " + ", ".join(f"{k} x{v}" for k, v in res["custom_ops"].items()))
+    return "\n".join(lines)

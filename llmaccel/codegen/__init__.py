@@ -1,0 +1,1 @@
+"""Codegen: lowering the IR to custom ops, the static-KV decode engine, the torch.compile backend."""

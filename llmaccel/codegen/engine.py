@@ -1,0 +1,165 @@
+"""Static-batch decode engine: prefill, then greedy decode with one compiled step per token.
+
+The decode step (lowered graph + static KV cache + argmax) is compiled once for the batch size
+with Inductor; on CUDA with mode="reduce-overhead" a CUDA graph replays the whole step, so the
+host launches one graph per token. Prefill runs the lowered graph eagerly, as the peers do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from llmaccel import ops
+from llmaccel.codegen.lower import LowerReport, lower
+from llmaccel.codegen.static_cache import ATTN_IMPLS, StaticKVCache
+from llmaccel.compiler.model import Model
+from llmaccel.errors import LlmaccelError
+
+LINEAR_IMPLS = ("auto", "mm", "rows")
+# Up to this many rows per step the decode linears run as Inductor reductions (GEMV); with
+# more rows such a kernel reads each weight once per row and a GEMM is better.
+ROWS_MAX_BATCH = 1
+
+
+def _step_fn(gm, cache: StaticKVCache, attn: str, greedy: bool):
+    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ctx = cache.bind(pos, attn)
+        logits = gm(ids, pos.expand(ids.shape[0], -1), ctx)
+        if greedy:
+            return logits[:, -1].argmax(-1, keepdim=True)
+        return logits
+    return step
+
+
+def _static_step_fn(gm, cache: StaticKVCache, state: "StepState", attn: str):
+    """A decode step without arguments: it reads the token and position from static buffers and
+    writes the next ones back, so a replay needs no input copies, only the graph launch."""
+    def step() -> None:
+        pos = state.pos
+        logits = gm(state.tok, pos.expand(state.tok.shape[0], -1), cache.bind(pos, attn))
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        state.tok.copy_(nxt)
+        state.out.index_copy_(1, pos + 1, nxt)
+        state.pos.add_(1)
+    return step
+
+
+class StepState(nn.Module):
+    """The decode loop's state on the device: last tokens (B, 1), their position (1,), and every
+    token by position (B, max_len)."""
+
+    def __init__(self, batch: int, max_len: int, device):
+        super().__init__()
+        for name, shape in (("tok", (batch, 1)), ("pos", (1,)), ("out", (batch, max_len))):
+            buf = torch.zeros(shape, dtype=torch.long, device=device)
+            self.register_buffer(name, buf, persistent=False)
+            torch._dynamo.mark_static_address(buf)
+
+
+class DecodeEngine:
+    def __init__(self, model: Model, batch: int, max_len: int, *, compile: bool | None = None,
+                 mode: str | None = "auto", backend: str = "inductor", lower_ops="all",
+                 linear: str = "auto", attn: str = "auto", fullgraph: bool = True, tune: bool = False):
+        if linear not in LINEAR_IMPLS:
+            raise LlmaccelError(f"unknown linear implementation {linear!r}; known: {', '.join(LINEAR_IMPLS)}")
+        if attn not in ("auto", *ATTN_IMPLS):
+            raise LlmaccelError(f"unknown attention implementation {attn!r}; known: auto, {', '.join(ATTN_IMPLS)}")
+        if max_len > model.config.max_position:
+            raise LlmaccelError(f"max length {max_len} exceeds the model's {model.config.max_position} positions")
+        other = {n.target.__name__ for n in model.gm.graph.nodes if n.op == "call_function"
+                 and n.target is not ops.attention and "attention" in getattr(n.target, "__name__", "")}
+        if other:
+            raise LlmaccelError(f"the static decode path supports plain attention only; the graph has "
+                                f"{', '.join(sorted(other))} (use the runtime for a quantized KV cache)")
+        self.model, self.batch, self.max_len = model, batch, max_len
+        dev = torch.device(model.device)
+        cuda = dev.type == "cuda"
+        self.compiled = cuda if compile is None else compile
+        if mode == "auto":
+            mode = "reduce-overhead" if cuda else None
+        if linear == "auto":
+            # GEMV reductions only pay off when Inductor fuses them, i.e. compiled, at few rows
+            linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH else "mm"
+        self.linear = linear
+        self.attn = "grouped" if attn == "auto" else attn
+        self.cache = StaticKVCache.for_graph(model.gm, batch, max_len, model.dtype, dev)
+        self.prefill_gm, self.report = lower(model.gm, max_len=max_len, select=lower_ops,
+                                             last_only=True)
+        self.full_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops)
+        self.decode_gm = self.full_gm
+        if linear == "rows":
+            self.decode_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, linear="rows")
+        # One position tensor per step, made once: no host-to-device copy inside the loop.
+        self._pos = [p.clone() for p in torch.arange(max_len, device=dev).split(1)]
+        self._prefill = _step_fn(self.prefill_gm, self.cache, "sdpa", greedy=True)
+        self.state = StepState(batch, max_len, dev)
+        step = _static_step_fn(self.decode_gm, self.cache, self.state, self.attn)
+        self._logits_step = _step_fn(self.decode_gm, self.cache, self.attn, greedy=False)
+        if self.compiled:
+            if tune and backend == "inductor":
+                import torch._inductor.config as inductor_config
+
+                # Per-kernel block sizes searched at compile time (as gpt-fast does): slower
+                # compiles, faster GEMV-shaped reductions.
+                inductor_config.coordinate_descent_tuning = True
+            opts = dict(backend=backend, fullgraph=fullgraph)
+            if mode is not None and backend == "inductor":
+                opts["mode"] = mode
+            step = torch.compile(step, **opts)
+            self._logits_step = torch.compile(self._logits_step, **opts)
+        self._decode = step
+
+    @property
+    def lower_report(self) -> LowerReport:
+        return self.report
+
+    def _check(self, ids: torch.Tensor, n: int) -> None:
+        if ids.dim() != 2 or ids.shape[0] != self.batch:
+            raise LlmaccelError(f"expected ids of shape ({self.batch}, T), got {tuple(ids.shape)}")
+        if ids.shape[1] + n > self.max_len:
+            raise LlmaccelError(f"prompt {ids.shape[1]} + {n} tokens exceed the cache's {self.max_len}")
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Fill the cache with ids (B, P) at positions 0..P-1; returns the next tokens (B, 1)."""
+        P = ids.shape[1]
+        pos = torch.arange(P, device=ids.device)
+        return self._prefill(ids, pos)
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """Greedy: n new tokens per row (B, n); the first comes from the prefill."""
+        ids = ids.to(self.model.device)
+        self._check(ids, n)
+        if n <= 0:
+            return ids.new_zeros(ids.shape[0], 0)
+        P = ids.shape[1]
+        self.start(ids)
+        for _ in range(n - 1):
+            self._decode()
+        return self.state.out[:, P:P + n].clone()
+
+    @torch.no_grad()
+    def start(self, ids: torch.Tensor) -> None:
+        """Prefill and set the decode state: the next step decodes from the prefill's token."""
+        tok = self.prefill(ids)
+        P = ids.shape[1]
+        st = self.state
+        st.tok.copy_(tok)
+        st.pos.fill_(P)
+        st.out[:, P:P + 1].copy_(tok)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One decode step from the state set by `start` (the profile and tests use it)."""
+        self._decode()
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits (B, T, V) for ids at positions start.., through the decode graph (tests)."""
+        self._check(ids, start)
+        T = ids.shape[1]
+        if T == 1:
+            return self._logits_step(ids, self._pos[start]).clone()
+        pos = torch.arange(start, start + T, device=ids.device)
+        return _step_fn(self.full_gm, self.cache, "sdpa", greedy=False)(ids, pos)

@@ -1,0 +1,223 @@
+"""Lowering: the IR graph -> a graph for fast execution that Dynamo traces whole.
+
+- an IR op `llmaccel.ops...<name>` becomes `torch.ops.llmaccel.<name>` where a kernel module
+  registers that custom op and its schema accepts the node's arguments (Triton on CUDA,
+  reference on CPU); otherwise the reference op stays and Inductor compiles it
+- rope reads cos/sin tables stored on the module (fp32, computed once on the model's device):
+  the reference builds its frequencies on the host at every call, and host ops inside the
+  traced step would keep CUDA graphs from capturing it
+- optionally, linear becomes a reduction `(x * w).sum(-1)`: at one or a few rows Inductor emits
+  one GEMV kernel that reads the weight once and fuses the norm before it and the activation or
+  residual add after it, where a cuBLAS call is a separate launch
+"""
+from __future__ import annotations
+
+import importlib
+import operator
+import pkgutil
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from llmaccel import ops
+from llmaccel.compiler.families import set_weight
+from llmaccel.ops.rope import rope_inv_freq
+
+# IR ops that never map to a custom op by name: attention takes the attention context (a
+# Python object, not a tensor) and rope is lowered to the table form below.
+_NOT_BY_NAME = {"attention", "rope"}
+_kernels_loaded: dict[str, str] | None = None
+
+
+def load_kernel_modules() -> dict[str, str]:
+    """Import every module of llmaccel.kernels once, so their custom ops are registered.
+
+    Returns {module: "ok" | error}; a module that fails to import only loses its ops.
+    """
+    global _kernels_loaded
+    if _kernels_loaded is None:
+        _kernels_loaded = {}
+        try:
+            import llmaccel.kernels as pkg
+        except ImportError:
+            return _kernels_loaded
+        for info in pkgutil.iter_modules(pkg.__path__):
+            name = f"llmaccel.kernels.{info.name}"
+            try:
+                importlib.import_module(name)
+                _kernels_loaded[info.name] = "ok"
+            except Exception as e:  # a kernel module being written may not import yet
+                _kernels_loaded[info.name] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"llmaccel: kernel module {name} failed to import ({e}); "
+                              f"its ops stay on the reference path")
+    return _kernels_loaded
+
+
+def ir_op_name(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    mod = getattr(node.target, "__module__", "") or ""
+    return node.target.__name__ if mod.startswith("llmaccel.ops") else None
+
+
+def custom_op(namespace: str, name: str):
+    ns = getattr(torch.ops, namespace)
+    return getattr(ns, name) if hasattr(ns, name) else None
+
+
+def _plain(v) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, (torch.fx.Node, bool, int, float, str, torch.dtype))
+
+
+def accepts(op, node: torch.fx.Node) -> bool:
+    """Whether custom op `op` can be called with the node's args and kwargs as they are."""
+    schema = op.default._schema
+    args = list(schema.arguments)
+    positional = [a for a in args if not a.kwarg_only]
+    if len(node.args) > len(positional):
+        return False
+    by_position = {a.name for a in positional[: len(node.args)]}
+    if not set(node.kwargs) <= {a.name for a in args} - by_position:
+        return False
+    given = by_position | set(node.kwargs)
+    if any(a.name not in given and not a.has_default_value() for a in args):
+        return False
+    return all(_plain(v) for v in (*node.args, *node.kwargs.values()))
+
+
+def rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *,
+               head_dim: int) -> torch.Tensor:
+    """ops.rope with cos/sin (max_len, head_dim) looked up by position; same values as the op."""
+    B, T, _ = x.shape
+    c = cos[positions].to(x.dtype)[:, :, None, :]
+    s = sin[positions].to(x.dtype)[:, :, None, :]
+    h = x.view(B, T, -1, head_dim)
+    x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (h * c + rot * s).reshape(B, T, -1)
+
+
+def rope_tables(head_dim: int, theta: float, scaling: dict | None, max_len: int, device):
+    inv = rope_inv_freq(head_dim, theta, scaling).to(device)
+    # The same fp32 products as ops.rope (positions.float() * inv_freq), so the same values.
+    freqs = torch.arange(max_len, device=device)[:, None].float() * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear as a reduction with fp32 accumulation; meant for Inductor at a few rows (GEMV)."""
+    y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@dataclass
+class LowerReport:
+    custom: dict[str, int] = field(default_factory=dict)   # op -> nodes now on torch.ops.<ns>
+    rejected: dict[str, str] = field(default_factory=dict)  # op -> why its custom op was not used
+    rope: int = 0
+    linear_rows: int = 0
+    kernel_modules: dict[str, str] = field(default_factory=dict)
+
+
+def _retarget(node: torch.fx.Node, target) -> None:
+    node.target = target
+    # A node traced from an fx.wrap'ed op carries is_wrapped, which makes the generated code
+    # re-register its target's name with fx.wrap; for a new target that name breaks later traces.
+    node.meta.pop("is_wrapped", None)
+
+
+def _wanted(name: str, select) -> bool:
+    if select == "all":
+        return True
+    if select in (None, "none"):
+        return False
+    return name in select
+
+
+def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str = "mm",
+          last_only: bool = False, namespace: str = "llmaccel") -> tuple[torch.fx.GraphModule, LowerReport]:
+    """A lowered copy of `gm` (weights shared, graph copied); `gm` itself is left unchanged.
+
+    select: "all", "none" or a collection of IR op names to map to custom ops.
+    linear: "mm" keeps F.linear for the remaining linears; "rows" uses `linear_rows`.
+    max_len: positions the rope tables cover.
+    last_only: the LM head sees only the last position (a prefill that only needs the next token).
+    """
+    rep = LowerReport()
+    if select not in (None, "none"):
+        rep.kernel_modules = dict(load_kernel_modules())
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "_lowered")
+    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    if last_only:
+        for node in list(new.graph.nodes):
+            if node.op == "call_function" and node.target is ops.lm_head:
+                with new.graph.inserting_before(node):
+                    last = new.graph.call_function(operator.getitem,
+                                                   (node.args[0], (slice(None), slice(-1, None))))
+                node.args = (last, *node.args[1:])
+    tables: dict[tuple, tuple[str, str]] = {}
+    for node in list(new.graph.nodes):
+        name = ir_op_name(node)
+        if name is None:
+            continue
+        if node.target is ops.rope:
+            key = (node.kwargs["head_dim"], node.kwargs["theta"], repr(node.kwargs.get("scaling")))
+            if key not in tables:
+                cos, sin = rope_tables(node.kwargs["head_dim"], node.kwargs["theta"],
+                                       node.kwargs.get("scaling"), max_len, device)
+                base = f"_rope{len(tables)}"
+                set_weight(new, base + ".cos", cos)
+                set_weight(new, base + ".sin", sin)
+                tables[key] = (base + ".cos", base + ".sin")
+            with new.graph.inserting_before(node):
+                c = new.graph.get_attr(tables[key][0])
+                s = new.graph.get_attr(tables[key][1])
+            x, positions = node.args[:2]
+            _retarget(node, rope_table)
+            node.args = (x, c, s, positions)
+            node.kwargs = {"head_dim": node.kwargs["head_dim"]}
+            rep.rope += 1
+            continue
+        if name in _NOT_BY_NAME or not _wanted(name, select):
+            continue
+        op = custom_op(namespace, name)
+        if op is None:
+            continue
+        if not accepts(op, node):
+            rep.rejected[name] = f"schema {op.default._schema} does not take the IR node's arguments"
+            continue
+        _retarget(node, op)
+        rep.custom[name] = rep.custom.get(name, 0) + 1
+    if linear == "rows":
+        for node in new.graph.nodes:
+            if node.op == "call_function" and node.target in (ops.linear, ops.lm_head):
+                _retarget(node, linear_rows)
+                rep.linear_rows += 1
+    elif linear != "mm":
+        raise ValueError(f"linear must be 'mm' or 'rows', got {linear!r}")
+    new.graph.lint()
+    new.recompile()
+    return new, rep
+
+
+def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
+    """{layer: (n_kv_heads, head_dim)} read from the attention nodes."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is ops.attention:
+            out[n.kwargs["layer"]] = (n.kwargs["n_kv_heads"], n.kwargs["head_dim"])
+    return out
+
+
+__all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "attention_layers",
+           "load_kernel_modules", "accepts"]

@@ -1,0 +1,85 @@
+"""Static KV cache: an attention context of fixed shapes, for torch.compile and CUDA graphs.
+
+Each layer has K/V buffers of (batch, n_kv_heads, max_len, head_dim), allocated once at
+static addresses. A forward is bound to the positions it computes (`bind(pos)`, pos of shape
+(T,), the same for every row of the static batch); attention writes k/v at those positions
+with index_copy_ and attends over the whole buffer under a mask that the positions define,
+so a decode step has the same shapes at every position and one CUDA graph replays them all.
+Stale entries past the current position are masked, so the cache never needs clearing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmaccel.codegen.lower import attention_layers
+from llmaccel.ops.attention import merge_heads, split_heads
+
+ATTN_IMPLS = ("sdpa", "grouped")
+
+
+class StaticKVCache(nn.Module):
+    def __init__(self, layers: dict[int, tuple[int, int]], batch: int, max_len: int,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        self.batch, self.max_len, self.dtype = batch, max_len, dtype
+        self.layer_ids = sorted(layers)
+        for i, (n_kv, hd) in layers.items():
+            for kind in ("k", "v"):
+                buf = torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device)
+                self.register_buffer(f"{kind}{i}", buf, persistent=False)
+                # Dynamo must treat the buffers as fixed inputs that the graph mutates in place.
+                torch._dynamo.mark_static_address(buf)
+        self.register_buffer("slots", torch.arange(max_len, device=device), persistent=False)
+        torch._dynamo.mark_static_address(self.slots)
+
+    @classmethod
+    def for_graph(cls, gm: torch.fx.GraphModule, batch: int, max_len: int, dtype, device):
+        return cls(attention_layers(gm), batch, max_len, dtype, device)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n != "slots")
+
+    def bind(self, pos: torch.Tensor, attn: str = "sdpa") -> "BoundCache":
+        return BoundCache(self, pos, attn)
+
+
+class BoundCache:
+    """The attention context for one forward at positions `pos` (T,)."""
+
+    def __init__(self, cache: StaticKVCache, pos: torch.Tensor, attn: str):
+        self.cache, self.pos, self.attn = cache, pos, attn
+        # Query at position p sees slots 0 .. p; computed once, shared by every layer.
+        self.mask = cache.slots[None, :] <= pos[:, None]
+
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale):
+        c = self.cache
+        kc, vc = getattr(c, f"k{layer}"), getattr(c, f"v{layer}")
+        kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
+        vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
+        qh = split_heads(q, n_heads, head_dim)
+        if self.attn == "grouped":
+            out = grouped_attention(qh, kc, vc, self.mask, scale)
+        else:
+            out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,
+                                                 scale=scale, enable_gqa=n_heads != n_kv_heads)
+        return merge_heads(out)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Masked attention with the query heads of a KV group stacked as rows of one matmul.
+
+    q (B, H, T, D), k/v (B, Hkv, S, D), mask (T, S) bool. K and V are read once per KV head
+    rather than repeated per query head; the softmax runs in fp32.
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, D)  # row g * T + t is query head (kv * G + g) at time t
+    scores = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask.repeat(G, 1), float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(p, v.to(q.dtype))
+    return out.view(B, Hkv, G, T, D).reshape(B, H, T, D)

@@ -1,0 +1,1 @@
+"""Triton kernels, one module per op family, each registered as torch.ops.llmaccel.* custom ops."""

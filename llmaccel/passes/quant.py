@@ -1,0 +1,435 @@
+"""quant: weight-only quantization of the linears (int8 per channel; int4 group-wise, asymmetric).
+
+Methods: rtn (round to nearest), awq (activation-aware per-input-channel scales folded into the
+preceding norm or linear, plus activation-aware clipping), gptq (Hessian-based error
+compensation), awq+gptq. Calibrated methods run the graph node by node over the whole
+calibration batch (an fx Interpreter): when a linear is reached its real input, produced by the
+already-quantized layers before it, is at hand, so AWQ and GPTQ see what inference will see
+(GPTQ's "true sequential" order) in one forward. Linears reading one input (q, k, v; gate, up;
+or their fused forms) are handled as one group sharing that input's statistics.
+Storage layout: llmaccel/ops/quant.py and docs/quant-format.md.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from llmaccel import ops
+from llmaccel.errors import LlmaccelError
+from llmaccel.ops import quant as qops
+from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.ir import add_weight, is_op, prune_weights, replace_weight, weight_of
+
+_GATED = (ops.silu_mul, ops.gelu_mul, ops.relu_mul)
+_ADD_NORMS = (ops.add_rms_norm, ops.add_layer_norm)
+
+
+@dataclass
+class QuantConfig:
+    bits: Literal[8, 4] = 4
+    group_size: Literal[32, 64, 128] = 128   # int4 only; int8 is per output channel
+    method: Literal["rtn", "awq", "gptq", "awq+gptq"] = "awq+gptq"
+    lm_head: bool = False        # also quantize the LM head (its own copy if tied)
+    n_samples: int = 64          # calibration sequences (awq, gptq)
+    seq_len: int = 512
+    act_order: bool = False      # gptq: quantize columns by decreasing Hessian diagonal
+    damp: float = 0.01           # gptq: diagonal damping, as a fraction of the mean diagonal
+    awq_tokens: int = 512        # tokens sampled from the calibration batch for the AWQ searches
+
+    def __post_init__(self):
+        if self.bits not in (8, 4):
+            raise LlmaccelError(f"quant.bits={self.bits}: supported bits are 8 and 4")
+        if self.group_size not in (32, 64, 128):
+            raise LlmaccelError(f"quant.group_size={self.group_size}: supported sizes are 32, 64, 128")
+        if self.method not in ("rtn", "awq", "gptq", "awq+gptq"):
+            raise LlmaccelError(f"quant.method={self.method}: expected rtn, awq, gptq or awq+gptq")
+        for k in ("n_samples", "seq_len", "awq_tokens"):
+            if getattr(self, k) < 1:
+                raise LlmaccelError(f"quant.{k}={getattr(self, k)}: must be positive")
+        if not 0 < self.damp < 1:
+            raise LlmaccelError(f"quant.damp={self.damp}: expected a value in (0, 1)")
+
+
+# --- quantization grid: scale/zero per (row, group); int8 is one group of the whole row ---------
+
+@dataclass
+class Grid:
+    """Quantization grid. Columns are zero-padded to whole groups (as MatMulNBits pads K); as
+    every range includes 0, padding changes no scale or zero and dequantizes to exactly 0."""
+    bits: int
+    gs: int      # columns per group (K for int8)
+
+    @property
+    def qmin(self):
+        return 0 if self.bits == 4 else -127
+
+    @property
+    def qmax(self):
+        return 15 if self.bits == 4 else 127
+
+    def pad(self, w: torch.Tensor) -> torch.Tensor:
+        return F.pad(w, (0, -w.shape[-1] % self.gs))
+
+    def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, K) weights -> scale, zero of shape (N, ceil(K / gs))."""
+        wg = self.pad(w).reshape(w.shape[0], -1, self.gs)
+        if self.bits == 8:
+            scale = (wg.abs().amax(-1) / 127).clamp_min(1e-12)
+            return scale, torch.zeros_like(scale)
+        mx, mn = wg.amax(-1).clamp_min(0), wg.amin(-1).clamp_max(0)
+        scale = ((mx - mn) / 15).clamp_min(1e-12)
+        return scale, (-mn / scale).round().clamp(0, 15)
+
+    def codes(self, w, scale, zero):
+        """Integer codes (as floats) of the padded w."""
+        wg = self.pad(w).reshape(w.shape[0], -1, self.gs)
+        q = (wg / scale[..., None]).round_().add_(zero[..., None]).clamp_(self.qmin, self.qmax)
+        return q.reshape(w.shape[0], -1)
+
+    def dequant(self, q, scale, zero, K: int):
+        qg = q.reshape(q.shape[0], -1, self.gs)
+        return ((qg - zero[..., None]) * scale[..., None]).reshape(q.shape[0], -1)[:, :K]
+
+    def rtn(self, w):
+        scale, zero = self.params(w)
+        return self.dequant(self.codes(w, scale, zero), scale, zero, w.shape[1])
+
+
+def awq_scale(x: torch.Tensor, ws: list[torch.Tensor], grid: Grid, n_grid: int = 20) -> torch.Tensor:
+    """Per-input-channel scale s minimising ||x W^T - (x / s) Q(W s)^T|| over s = mean|x|^a."""
+    ref = torch.cat([x @ w.T for w in ws], -1)
+    x_mean = x.abs().mean(0)
+    best, best_s = float("inf"), torch.ones_like(x_mean)
+    for i in range(n_grid):
+        s = x_mean.pow(i / n_grid).clamp_min(1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        out = torch.cat([x @ (grid.rtn(w * s) / s).T for w in ws], -1)
+        loss = (out - ref).pow(2).mean().item()
+        if loss < best:
+            best, best_s = loss, s
+    return best_s
+
+
+def awq_clip(x: torch.Tensor, w: torch.Tensor, grid: Grid, n_grid: int = 20,
+             max_shrink: float = 0.5) -> torch.Tensor:
+    """Clamp each (row, group) of w to a shrunk range chosen to minimise that group's output error."""
+    N, K = w.shape
+    wg = grid.pad(w).reshape(N, -1, grid.gs)             # (N, G, gs)
+    xg = grid.pad(x).reshape(x.shape[0], -1, grid.gs)    # (n, G, gs)
+    mx0, mn0 = wg.amax(-1, keepdim=True).clamp_min(0), wg.amin(-1, keepdim=True).clamp_max(0)
+    best_err = torch.full(wg.shape[:2], float("inf"))
+    best = wg
+    for i in range(int(max_shrink * n_grid)):
+        r = 1 - i / n_grid
+        c = wg.clamp(mn0 * r, mx0 * r)
+        diff = wg - grid.rtn(c.reshape(N, -1)).reshape_as(wg)
+        err = torch.einsum("ngk,tgk->ntg", diff, xg).pow(2).mean(1)   # (N, G)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[..., None], c, best)
+    return best.reshape(N, -1)[:, :K]
+
+
+def gptq(w: torch.Tensor, H: torch.Tensor, grid: Grid, *, act_order: bool, damp: float,
+         block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al.): returns integer codes, scale, zero for w (N, K) given H = X^T X.
+
+    With act_order the group parameters are fixed from the weights beforehand ("static
+    groups"), so groups stay contiguous in the stored layout whatever the column order.
+    """
+    W = grid.pad(w.float())
+    N, K = W.shape
+    H = F.pad(H.float(), (0, K - H.shape[0], 0, K - H.shape[0]))  # padded columns are dead
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    scale, zero = grid.params(W) if (act_order or grid.bits == 8) else (None, None)
+    if scale is None:
+        scale = torch.empty(N, K // grid.gs)
+        zero = torch.empty_like(scale)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp * torch.diag(H).mean() * torch.eye(K)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, K, block):
+        i2 = min(i1 + block, K)
+        W1, Hi = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        Err = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i])
+            g = col // grid.gs
+            if not act_order and grid.bits == 4 and col % grid.gs == 0:
+                # Parameters of a group come from its columns as updated so far.
+                cols = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :grid.gs]
+                s, z = grid.params(cols)
+                scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
+            s, z = scale[:, g], zero[:, g]
+            q = ((W1[:, i] / s).round() + z).clamp(grid.qmin, grid.qmax)
+            dq = (q - z) * s
+            Q[:, i1 + i] = q
+            e = (W1[:, i] - dq) / Hi[i, i]
+            W1[:, i:] -= e[:, None] * Hi[i, i:][None, :]
+            Err[:, i] = e
+        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
+    return Q[:, torch.argsort(perm)], scale, zero
+
+
+# --- finding where an AWQ scale can be folded ----------------------------------------------------
+
+def _rows_source(node):
+    """(linear node, row slice) producing `node`: a linear itself or one part of a fused split."""
+    if is_op(node, ops.linear, qops.linear_int4, qops.linear_int8):
+        return node, None
+    if is_op(node, operator.getitem) and isinstance(node.args[0], torch.fx.Node):
+        sp = node.args[0]
+        if sp.op == "call_method" and sp.target == "split" and isinstance(sp.args[1], (list, tuple)):
+            lin, sizes, i = sp.args[0], list(sp.args[1]), node.args[1]
+            if is_op(lin, ops.linear) and sp.kwargs.get("dim", -1) in (-1, 2) and len(sp.users) >= 1:
+                start = sum(sizes[:i])
+                return lin, slice(start, start + sizes[i])
+    return None, None
+
+
+def find_sink(xnode, group, n_heads: int, n_kv_heads: int):
+    """Where 1/s can be folded for linears `group` reading xnode: ('norm', node, w_idx, b_idx),
+    ('rows', linear, slice), or a reason string when it cannot."""
+    if set(xnode.users) - set(group):
+        return "input has other readers"
+    if is_op(xnode, ops.rms_norm):
+        return ("norm", xnode, 1, None)
+    if is_op(xnode, ops.layer_norm):
+        return ("norm", xnode, 1, 2)
+    if is_op(xnode, operator.getitem) and is_op(xnode.args[0], *_ADD_NORMS) and xnode.args[1] == 0:
+        n = xnode.args[0]
+        return ("norm", n, 2, 3 if n.target is ops.add_layer_norm else None)
+    if is_op(xnode, *_GATED):
+        src = xnode.args[1]
+    elif is_op(xnode, ops.attention):
+        if n_heads != n_kv_heads:  # GQA: one v channel feeds several o channels (AutoAWQ skips too)
+            return "o after GQA attention"
+        src = xnode.args[2]
+    else:
+        return f"input is {getattr(xnode.target, '__name__', xnode.target)}"
+    if len(src.users) != 1:
+        return "producer has other readers"
+    lin, rows = _rows_source(src)
+    return ("rows", lin, rows) if lin is not None else "no linear producer"
+
+
+# --- the pass ------------------------------------------------------------------------------------
+
+class _Calibrated(torch.fx.Interpreter):
+    """Runs the graph on the calibration batch, quantizing each group of linears when reached."""
+
+    def __init__(self, gm, quantizer):
+        super().__init__(gm)
+        self.q, self.outputs = quantizer, {}
+
+    def run_node(self, n):
+        if n in self.outputs:
+            return self.outputs.pop(n)
+        if not self.q.pending:  # every target is quantized: skip the rest of the forward
+            return None
+        if n in self.q.pending:
+            self.q.process(n, self.env[n.args[0]], self.outputs)
+            return self.outputs.pop(n, None)
+        return super().run_node(n)
+
+
+class _Quantizer:
+    def __init__(self, gm, cfg: QuantConfig, model_cfg, bar):
+        self.gm, self.cfg, self.mc, self.bar = gm, cfg, model_cfg, bar
+        self.pending: set = set()
+        self.records: dict = {}       # linear node -> codes, scale, zero, bias, grid, K
+        self.norm_scales: dict = {}   # norm node -> (weight index, bias index, 1/s, name)
+        self.awq_skipped: dict = {}
+        self.gen = torch.Generator().manual_seed(0)
+
+    def grid(self, K: int) -> Grid:
+        return Grid(8, K) if self.cfg.bits == 8 else Grid(4, self.cfg.group_size)
+
+    def process(self, node, x, outputs=None) -> None:
+        """Quantize every pending linear reading node's input; put their outputs in `outputs`."""
+        # The searches and GPTQ's column loop are many small ops: one thread is several times
+        # faster than two (thread hand-offs dominate), most of all on a loaded machine.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._process(node, x, outputs)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _process(self, node, x, outputs) -> None:
+        c, xnode = self.cfg, node.args[0]
+        group = [u for u in xnode.users if u in self.pending]
+        ws = [weight_of(self.gm, u.args[1]).float() for u in group]
+        K = ws[0].shape[1]
+        grid = self.grid(K)
+        stem = group[0].args[1].target.removesuffix(".weight") if group[0].target is ops.linear else "lm_head"
+        self.bar.set_postfix_str(stem)
+        xs = sub = None
+        if x is not None:
+            xs = x.reshape(-1, K).float()
+            sub = xs[torch.randperm(xs.shape[0], generator=self.gen)[: c.awq_tokens]]
+        if "awq" in c.method:
+            sink = find_sink(xnode, group, self.mc.n_heads, self.mc.n_kv_heads)
+            if isinstance(sink, tuple) and (sink[0] == "norm" or sink[1] in self.records):
+                s = awq_scale(sub, ws, grid)
+                ws = [w * s for w in ws]
+                xs, sub = xs / s, sub / s
+                self._fold(sink, s, stem)
+            else:
+                self.awq_skipped[stem] = sink if isinstance(sink, str) else "producer not quantized"
+            if c.bits == 4:
+                ws = [awq_clip(sub, w, grid) for w in ws]
+        self.pending -= set(group)
+        # Rows are independent given H: one GPTQ (or RTN) call for the whole group.
+        w_all = torch.cat(ws, 0)
+        if "gptq" in c.method:
+            q, scale, zero = gptq(w_all, xs.T @ xs, grid, act_order=c.act_order, damp=c.damp)
+        else:
+            scale, zero = grid.params(w_all)
+            q = grid.codes(w_all, scale, zero)
+        start = 0
+        for u, w in zip(group, ws):
+            rows = slice(start, start + w.shape[0])
+            start += w.shape[0]
+            b_node = u.args[2] if len(u.args) > 2 else u.kwargs.get("bias")
+            b = weight_of(self.gm, b_node)
+            self.records[u] = dict(q=q[rows], scale=scale[rows], zero=zero[rows], grid=grid, K=K,
+                                   bias_node=b_node, bias=None if b is None else b.float().clone(),
+                                   bias_changed=False)
+        self.bar.update(1)
+        if outputs is None or not self.pending:
+            return
+        for u in group:
+            r = self.records[u]
+            w = grid.dequant(r["q"], r["scale"], r["zero"], K)
+            outputs[u] = F.linear(xs.view(*x.shape[:-1], K), w, r["bias"]).to(x.dtype)
+
+    def _fold(self, sink, s: torch.Tensor, stem: str) -> None:
+        if sink[0] == "norm":
+            _, norm, wi, bi = sink
+            prev = self.norm_scales.get(norm)
+            inv = 1 / s if prev is None else prev[2] / s
+            self.norm_scales[norm] = (wi, bi, inv, stem + ".in_scale")
+            return
+        _, lin, rows = sink
+        r = self.records[lin]
+        rows = rows or slice(0, r["scale"].shape[0])
+        # Scaling output rows of an already quantized linear is exact: it scales the row's scales.
+        r["scale"][rows] = r["scale"][rows] / s[:, None]
+        if r["bias"] is not None:
+            r["bias"][rows] = r["bias"][rows] / s
+            r["bias_changed"] = True
+
+    def rewrite(self) -> None:
+        gm = self.gm
+        for norm, (wi, bi, inv, name) in self.norm_scales.items():
+            w_node = norm.args[wi]
+            if w_node is None:  # `fuse` folded the norm's scale away: the norm gets one again
+                new = add_weight(gm, name, inv.to(self._dtype()), norm)
+            else:
+                w = weight_of(gm, w_node)
+                new = replace_weight(gm, w_node, (w.float() * inv).to(w.dtype), norm)
+            norm.update_arg(wi, new)
+            if bi is not None and norm.args[bi] is not None:
+                b = weight_of(gm, norm.args[bi])
+                norm.update_arg(bi, replace_weight(gm, norm.args[bi], (b.float() * inv).to(b.dtype), norm))
+        for node, r in self.records.items():
+            self._rewrite_linear(node, r)
+
+    def _dtype(self) -> torch.dtype:
+        return next(iter(self.gm.parameters())).dtype
+
+    def _rewrite_linear(self, node, r) -> None:
+        gm, g, grid = self.gm, self.gm.graph, r["grid"]
+        dt = weight_of(gm, node.args[1]).dtype
+        stem = node.args[1].target.removesuffix(".weight") if node.target is ops.linear else "lm_head"
+        N = r["q"].shape[0]
+        b_node = r["bias_node"]
+        if r["bias_changed"]:
+            b_node = replace_weight(gm, b_node, r["bias"].to(dt), node)
+        x = node.args[0]
+        if grid.bits == 8:
+            qw = add_weight(gm, stem + ".qweight", r["q"].to(torch.int8), node)
+            sc = add_weight(gm, stem + ".scales", r["scale"][:, 0].to(dt), node)
+            target, args, kw = qops.linear_int8, (x, qw, sc, b_node), {}
+        else:
+            packed = qops.pack_int4(r["q"].reshape(N, -1, grid.gs).to(torch.uint8))
+            qw = add_weight(gm, stem + ".qweight", packed, node)
+            sc = add_weight(gm, stem + ".scales", r["scale"].to(dt), node)
+            zr = add_weight(gm, stem + ".zeros", qops.pack_zeros(r["zero"].to(torch.uint8)), node)
+            target, args, kw = qops.linear_int4, (x, qw, sc, zr, b_node), {"group_size": grid.gs}
+        with g.inserting_before(node):
+            new = g.call_function(target, args, kw)
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class Quant(Pass):
+    name = "quant"
+    summary = "weight quantization: int8 per channel; int4 group-wise (RTN, AWQ, GPTQ, AWQ+GPTQ)"
+    exact = False
+    config_cls = QuantConfig
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        c = self.config
+        targets = [n for n in gm.graph.nodes if is_op(n, ops.linear) or (c.lm_head and is_op(n, ops.lm_head))]
+        if not targets:
+            return PassResult(gm, 0, {"quantized": 0})
+        n_groups = len({n.args[0] for n in targets})
+        bar = ctx.progress(None, desc=f"quant {c.method} w{c.bits}", total=n_groups)
+        qz = _Quantizer(gm, c, ctx.config, bar)
+        qz.pending, qz.n_groups = set(targets), n_groups
+        fp_bytes = sum(_nbytes(weight_of(gm, n.args[1])) for n in targets)
+        if c.method == "rtn":
+            for n in targets:
+                if n in qz.pending:
+                    qz.process(n, None)
+        else:
+            ids = ctx.calib_tokens(c.n_samples, c.seq_len).to(ctx.device)
+            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            with torch.no_grad():
+                _Calibrated(gm, qz).run(ids, pos, None)
+        bar.close()
+        qz.rewrite()
+        prune_weights(gm)
+        return PassResult(gm, len(targets), self._stats(gm, qz, fp_bytes, targets))
+
+    def _stats(self, gm, qz, fp_bytes, targets) -> dict:
+        c = self.config
+        q_bytes = 0
+        for n in gm.graph.nodes:
+            if is_op(n, qops.linear_int4, qops.linear_int8):
+                stored = n.args[1:4] if n.target is qops.linear_int4 else n.args[1:3]
+                q_bytes += sum(_nbytes(weight_of(gm, a)) for a in stored)
+        n_weights = sum(r["q"].shape[0] * r["K"] for r in qz.records.values())
+        padded = sorted({r["K"] for r in qz.records.values() if r["K"] % r["grid"].gs})
+        st = {"bits": c.bits, "method": c.method, "quantized": len(targets),
+              "bytes_per_weight": round(q_bytes / n_weights, 4),
+              "size_ratio_vs_source": round(fp_bytes / q_bytes, 2)}
+        if c.bits == 4:
+            st["group_size"] = c.group_size
+        if padded:
+            st["padded_in_features"] = padded  # last group of these layers is partial (zero-padded)
+        if "awq" in c.method:
+            st["awq_scaled"] = qz.n_groups - len(qz.awq_skipped)
+            reasons: dict = {}
+            for why in qz.awq_skipped.values():
+                reasons[why] = reasons.get(why, 0) + 1
+            st["awq_skipped"] = reasons
+        return st
+
+
+PASS = Quant

@@ -1,0 +1,310 @@
+"""The LLM API: continuous batching over a paged KV cache, sampling, streaming, speculation."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from llmaccel.compiler.model import Model, load, parse_dtype
+from llmaccel.errors import LlmaccelError
+from llmaccel.runtime.block_manager import BlockManager
+from llmaccel.runtime.graph import layerskip_draft, runtime_graph
+from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
+from llmaccel.runtime.sampler import SamplingParams, filtered_probs
+from llmaccel.runtime.scheduler import Scheduler
+from llmaccel.runtime.sequence import RequestOutput, Sequence
+from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
+
+# speculative="self" picks this draft derived from the target (docs/runtime.md: measured
+# acceptance x cost). "self:int8" / "self:int4": the target's weights quantized by the `quant`
+# pass (RTN, no calibration), with its own KV cache; "self:N": the target's first N layers
+# and its LM head (LayerSkip style), sharing the target's KV cache.
+SELF_DEFAULT = "int8"
+QUANT_DRAFTS = {"int8": {"bits": 8, "method": "rtn"},
+                "int4": {"bits": 4, "method": "rtn", "group_size": 128}}
+CPU_CACHE_BYTES = 512 << 20
+
+
+def parse_self(spec: str, n_layers: int) -> str | int:
+    kind = spec.partition(":")[2] or SELF_DEFAULT
+    if kind in QUANT_DRAFTS:
+        return kind
+    if kind.isdigit() and 1 <= int(kind) < n_layers:
+        return int(kind)
+    raise LlmaccelError(f"unknown self draft {spec!r}; use self, self:int8, self:int4 or "
+                        f"self:N with N in 1..{n_layers - 1} (the target's first N layers)")
+
+
+class LLM:
+    def __init__(self, source, *, block_size: int = 16, kv_cache_tokens: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
+                 device=None, enable_prefix_caching: bool = True, draft_layers: int | None = None,
+                 gpu_memory_utilization: float = 0.9):
+        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise LlmaccelError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if isinstance(source, Model):
+            self.model = source
+        else:
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dt = parse_dtype(dtype) if dtype is not None else (
+                torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+            self.model = load(source, dtype=dt, device=device)
+        self.device, self.dtype = self.model.device, self.model.dtype
+        self.cfg = self.model.config
+        self.eos = self.cfg.eos_ids
+        self.gm = runtime_graph(self.model.gm)
+        layers = attention_layers(self.model.gm)
+        if any("kv_quant" in n.kwargs for n in self.model.gm.graph.nodes if n.op == "call_function"):
+            raise LlmaccelError("the paged runtime has no KIVI-quantized KV cache yet; this graph was "
+                                "compiled with kvquant: run it with the reference executor "
+                                "(Model.generate_ids / llmc eval) or compile it without kvquant")
+        self.k_max = max(1, num_speculative_tokens)
+        draft_model, draft_layers_map = self._draft_source(speculative, draft_layers, layers)
+        bpt = PagedKVCache.bytes_per_token(layers, self.dtype)
+        if draft_layers_map:
+            bpt += PagedKVCache.bytes_per_token(draft_layers_map, self.dtype)
+        tokens = kv_cache_tokens if kv_cache_tokens is not None else self._default_tokens(
+            bpt, max_num_batched_tokens, gpu_memory_utilization)
+        num_blocks = tokens // block_size
+        if num_blocks < 1:
+            raise LlmaccelError(f"kv_cache_tokens={tokens} holds no block of {block_size} tokens")
+        self.cache = PagedKVCache(layers, num_blocks, block_size, self.dtype, self.device)
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               max_model_len=self.cfg.max_position)
+        self.draft = None
+        if speculative == "ngram":
+            self.draft = NgramDraft()
+        elif draft_model is not None and draft_layers_map is None:  # LayerSkip: shares the cache
+            self.draft = ModelDraft(runtime_graph(draft_model), self.cache, shared=True,
+                                    device=self.device, name=f"self:{self.self_kind}")
+        elif draft_model is not None:
+            dcache = PagedKVCache(draft_layers_map, num_blocks, block_size, self.dtype, self.device)
+            name = f"self:{self.self_kind}" if speculative.startswith("self") else speculative
+            self.draft = ModelDraft(runtime_graph(draft_model.gm), dcache, shared=False,
+                                    device=self.device, name=name)
+        self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, spec_proposed=0,
+                          spec_accepted=0, spec_verifies=0, spec_emitted=0, kv_blocks_peak=0,
+                          requests_failed=0)
+
+    def _draft_source(self, speculative, draft_layers, layers):
+        """(draft graph or model, its own attention layers or None when it shares the cache)."""
+        if speculative is None or speculative == "ngram":
+            return None, None
+        if speculative == "self" and draft_layers:
+            speculative = f"self:{draft_layers}"
+        if speculative.startswith("self"):
+            kind = parse_self(speculative, self.cfg.n_layers)
+            self.self_kind = kind
+            if isinstance(kind, int):
+                return layerskip_draft(self.model.gm, self.cfg, kind), None
+            from llmaccel.compiler.pipeline import compile
+
+            d = compile(self.model.source, ["quant"], {"quant": dict(QUANT_DRAFTS[kind])},
+                        eval_tokens=0, progress=False, dtype=self.dtype, device=self.device)
+            return d, attention_layers(d.gm)
+        d = load(speculative, dtype=self.dtype, device=self.device)
+        if d.config.vocab_size != self.cfg.vocab_size:
+            raise LlmaccelError(f"draft {speculative} has a vocabulary of {d.config.vocab_size}; "
+                                f"the target's is {self.cfg.vocab_size}")
+        return d, attention_layers(d.gm)
+
+    def _default_tokens(self, bpt: int, max_batched: int, fraction: float) -> int:
+        if str(self.device).startswith("cuda"):
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            headroom = (2 << 30) + max_batched * self.cfg.intermediate_size * 16
+            budget = int(total * fraction) - torch.cuda.memory_reserved(self.device) - headroom
+            if budget < bpt:
+                raise LlmaccelError(f"no GPU memory left for the KV cache ({budget / 2**30:.1f} GiB "
+                                    f"budget); lower max_num_batched_tokens or raise the fraction")
+            return budget // bpt
+        return max(1, CPU_CACHE_BYTES // bpt)
+
+    # ------------------------------------------------------------------ requests
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.model.encode(prompt), prompt
+        return [int(t) for t in prompt], None
+
+    def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
+        ids, text = self._encode(prompt)
+        params = params or SamplingParams()
+        seq = Sequence(ids, params, text, self.device,
+                       spec_k=self.k_max if self.draft is not None else 0)
+        bad = self.sched.reject_reason(seq)
+        if bad is not None:
+            seq.finish_reason, seq.error = "error", bad
+            self.stats["requests_failed"] += 1
+        elif params.max_tokens == 0:
+            seq.finish_reason = "length"
+        else:
+            self.stats["prompt_tokens"] += seq.n_prompt
+            self.sched.add(seq)
+        return seq
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids); outputs in prompt order.
+
+        A request that cannot run (prompt too long for the model or the cache) comes back with
+        finish_reason 'error' and its message in .error; the others are unaffected.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise LlmaccelError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(not s.finished for s in seqs):
+            self.step()
+        return [self._output(s) for s in seqs]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it grows (whole characters only)."""
+        seq = self.add_request(prompt, params)
+        if seq.error:
+            raise LlmaccelError(seq.error)
+        shown = ""
+        while True:
+            done = seq.finished
+            text = self._text(seq)
+            if (done or not text.endswith("\ufffd")) and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+            if done:
+                return
+            self.step()
+
+    def _text(self, seq: Sequence) -> str:
+        if self.model.tokenizer_dir is None:
+            return ""
+        text = self.model.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return text if seq.stop_cut is None else text[: seq.stop_cut]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        seq.text = self._text(seq)
+        return seq.to_output()
+
+    # ------------------------------------------------------------------ the engine step
+    def _append(self, seq: Sequence, toks: list[int]) -> None:
+        p = seq.params
+        for t in toks:
+            if t in self.eos and not p.ignore_eos:
+                seq.finish_reason = "stop"
+                return
+            seq.token_ids.append(t)
+            self.stats["generated_tokens"] += 1
+            if p.stop and self.model.tokenizer_dir is not None:
+                text = self.model.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+                cut = min((text.find(s) for s in p.stop if s in text), default=-1)
+                if cut >= 0:
+                    seq.stop_cut, seq.finish_reason = cut, "stop"
+                    return
+            if seq.n_output >= p.max_tokens or len(seq.token_ids) >= self.cfg.max_position:
+                seq.finish_reason = "length"
+                return
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        batch, too_long = self.sched.schedule()
+        for seq in too_long:  # alone it would not fit in the whole cache
+            seq.finish_reason = "length"
+        if self.bm.copies:
+            self.cache.copy_blocks(self.bm.copies)
+            if isinstance(self.draft, ModelDraft) and not self.draft.shared:
+                self.draft.cache.copy_blocks(self.bm.copies)
+            self.bm.copies.clear()
+        if not batch:
+            if self.sched.has_work() and not too_long:
+                raise RuntimeError("scheduler made no progress")  # a bug, never a user error
+            return
+        spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
+        proposals = self.draft.propose(spec) if spec else {}
+        items, want, plan = [], [], []
+        for seq, q in batch:
+            nc = seq.num_computed
+            if seq.id in proposals:
+                toks = [seq.token_ids[-1]] + proposals[seq.id][0]
+                nl = len(toks)
+            else:
+                toks = seq.token_ids[nc: nc + q]
+                nl = 1 if nc + q == len(seq.token_ids) else 0
+            plan.append((seq, toks, nl))
+        plan.sort(key=lambda p: len(p[1]) != 1)
+        for seq, toks, nl in plan:
+            items.append((seq.block_table, seq.num_computed, toks))
+            want.append(nl)
+        ids, pos, ctx = build_step(self.cache, items, want, self.device)
+        logits = self.gm(ids, pos, ctx)[0]
+        if not getattr(self.gm, "selects_rows", False):
+            logits = logits.index_select(0, ctx.logits_indices)
+        greedy = logits.argmax(-1).tolist()
+        probs = self._sampling_probs(logits, plan, proposals)
+        self.stats["steps"] += 1
+        r = 0
+        for seq, toks, nl in plan:
+            rows = slice(r, r + nl)
+            r += nl
+            if nl == 0:
+                seq.num_computed += len(toks)
+            elif seq.id in proposals and len(toks) > 1:
+                prop, qprobs = proposals[seq.id]
+                new = verify(logits[rows], prop, qprobs, seq.params, seq.generator, greedy[rows])
+                self._spec_stats(seq, len(prop), len(new) - 1)
+                seq.num_computed += len(new)  # the fed last token and the accepted proposals
+                seq.draft_computed = min(seq.draft_computed, seq.num_computed)
+                self.bm.trim(seq, seq.num_computed)
+                self._append(seq, new)
+            else:
+                seq.num_computed += len(toks)
+                tok = greedy[rows][-1] if seq.params.temperature == 0 else int(
+                    torch.multinomial(probs[r - 1: r], 1, generator=seq.generator)[0])
+                self._append(seq, [tok])
+            self.bm.register(seq)
+        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)
+        for seq, _, _ in plan:
+            if seq.finished:
+                self.sched.finish(seq)
+
+    @staticmethod
+    def _sampling_probs(logits, plan, proposals) -> torch.Tensor | None:
+        """Filtered probabilities of the rows sampled without speculation, one batched call per
+        distinct (temperature, top_k, top_p); each row is then drawn with its request's generator."""
+        groups: dict[tuple, list[int]] = {}
+        r = 0
+        for seq, toks, nl in plan:
+            r += nl
+            p = seq.params
+            if nl == 1 and p.temperature > 0 and not (seq.id in proposals and len(toks) > 1):
+                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r - 1)
+        if not groups:
+            return None
+        probs = torch.empty_like(logits, dtype=torch.float32)
+        for (t, k, tp), rows in groups.items():
+            idx = torch.tensor(rows, device=logits.device)
+            probs[idx] = filtered_probs(logits[idx], SamplingParams(temperature=t, top_k=k, top_p=tp))
+        return probs
+
+    def _spec_stats(self, seq: Sequence, k: int, accepted: int) -> None:
+        s = self.stats
+        s["spec_proposed"] += k
+        s["spec_accepted"] += accepted
+        s["spec_verifies"] += 1
+        s["spec_emitted"] += accepted + 1
+        # Adapt k per sequence: lengthen after a full acceptance, shorten after a full rejection.
+        if accepted == k:
+            seq.spec_k = min(self.k_max, seq.spec_k + 1)
+        elif accepted == 0:
+            seq.spec_k = max(1, seq.spec_k - 1)
+
+    def metrics(self) -> dict:
+        s = dict(self.stats)
+        s.update(preemptions=self.sched.preemptions, kv_blocks_used=self.bm.num_used,
+                 kv_blocks_total=self.bm.num_blocks, block_size=self.bm.block_size,
+                 prefix_cache_hit_tokens=self.bm.hit_tokens,
+                 speculative=None if self.draft is None else self.draft.name,
+                 spec_accept_rate=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
+                 spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0)
+        return s

@@ -1,0 +1,62 @@
+"""Graph preparation for the runtime: logits only where needed, and the self-derived draft."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.fx
+
+from llmaccel import ops
+from llmaccel.compiler.families import capture, weight_shapes
+from llmaccel.compiler.model import get_attr
+from llmaccel.errors import LlmaccelError
+
+
+def select_rows(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Keep the token rows whose logits the step samples from (a prefill chunk needs none)."""
+    idx = getattr(ctx, "logits_indices", None)
+    return x if idx is None else x.index_select(1, idx)
+
+
+torch.fx.wrap("select_rows")
+
+
+def runtime_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of gm (sharing its weights) whose LM head runs only on the rows the step samples.
+
+    With prefill chunks of thousands of tokens and vocabularies of 100k+, the full logits would
+    dominate the step's memory and time.
+    """
+    graph = copy.deepcopy(gm.graph)
+    heads = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.lm_head]
+    ctx_in = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(heads) != 1 or len(ctx_in) < 3:
+        return gm  # unknown shape of graph: compute all logits, the engine indexes them after
+    head = heads[0]
+    with graph.inserting_before(head):
+        sel = graph.call_function(select_rows, (head.args[0], ctx_in[2]))
+    head.update_arg(0, sel)
+    out = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.selects_rows = True
+    return out
+
+
+def layerskip_draft(gm: torch.fx.GraphModule, cfg, n_layers: int) -> torch.fx.GraphModule:
+    """The target's first n_layers, its final norm and its (shared) LM head, as a graph.
+
+    The draft's layer i is the target's layer i, so over the same tokens it computes the same
+    K/V: the draft reads and writes the target's own cache for those layers and needs no cache
+    or prefill of its own.
+    """
+    if not 1 <= n_layers < cfg.n_layers:
+        raise LlmaccelError(f"self draft layers must be in 1..{cfg.n_layers - 1}, got {n_layers}")
+    dcfg = dataclasses.replace(cfg, n_layers=n_layers)
+    names = weight_shapes(dcfg)
+    try:
+        weights = {k: get_attr(gm, k) for k in names}
+    except AttributeError as e:
+        raise LlmaccelError(f"speculative='self' needs a graph with the canonical weights of "
+                            f"{cfg.family} (this one was rewritten by passes: {e}); give a draft "
+                            f"model instead") from None
+    return capture(dcfg, weights)

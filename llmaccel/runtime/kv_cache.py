@@ -1,0 +1,120 @@
+"""Paged KV cache tensors and the attention context that a step's graph forward runs with.
+
+The cache is allocated once: on the GPU from a memory fraction, on the CPU from a token count.
+`PagedContext` implements the IR's attention protocol (`ctx.attend(layer, q, k, v, ...)`) for a
+flattened batch: input_ids (1, N) hold the new tokens of every sequence of the step back to back,
+sequences with one new token (decode) first, then those with more (prefill chunks, speculative
+verification). Each attention node writes its k, v into the cache and attends over the block
+table through the llmaccel::paged_* custom ops (reference on CPU, Triton on CUDA).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+import llmaccel.kernels.paged_attention  # noqa: F401  (registers torch.ops.llmaccel.paged_*)
+from llmaccel.errors import LlmaccelError
+
+
+def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
+    """layer -> (n_kv_heads, head_dim), read from the graph's attention nodes (passes may change them)."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "layer" in n.kwargs and "n_kv_heads" in n.kwargs:
+            out[int(n.kwargs["layer"])] = (int(n.kwargs["n_kv_heads"]), int(n.kwargs["head_dim"]))
+    if not out:
+        raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
+    return out
+
+
+class PagedKVCache:
+    def __init__(self, layers: dict[int, tuple[int, int]], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device):
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.k = {i: torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device)
+                  for i, (h, d) in layers.items()}
+        self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+
+    @staticmethod
+    def bytes_per_token(layers: dict[int, tuple[int, int]], dtype: torch.dtype) -> int:
+        return sum(2 * h * d for h, d in layers.values()) * torch.empty((), dtype=dtype).element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=next(iter(self.k.values())).device)
+        dst = torch.tensor([p[1] for p in pairs], device=src.device)
+        for t in list(self.k.values()) + list(self.v.values()):
+            t[dst] = t[src]
+
+
+class PagedContext:
+    """Per-step metadata plus the cache; built by `build_step` and passed as the graph's ctx."""
+
+    def __init__(self, cache: PagedKVCache, n_decode: int, slot_mapping, block_tables, context_lens,
+                 cu_seqlens_q, max_q_len: int, logits_indices):
+        self.cache = cache
+        self.n_decode = n_decode  # the first n_decode tokens are single-token sequences
+        self.slot_mapping, self.block_tables, self.context_lens = slot_mapping, block_tables, context_lens
+        self.cu_prefill = cu_seqlens_q  # for the sequences after the decode ones, offsets from 0
+        self.max_q_len = max_q_len
+        self.logits_indices = logits_indices
+
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, **_):
+        N = q.shape[1]
+        q3 = q.reshape(N, n_heads, head_dim)
+        k3 = k.reshape(N, n_kv_heads, head_dim)
+        v3 = v.reshape(N, n_kv_heads, head_dim)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        nd, outs = self.n_decode, []
+        if nd:
+            outs.append(torch.ops.llmaccel.paged_decode_attention(
+                q3[:nd], k3[:nd], v3[:nd], kc, vc, self.slot_mapping[:nd], self.block_tables[:nd],
+                self.context_lens[:nd], scale=scale))
+        if nd < N:
+            outs.append(torch.ops.llmaccel.paged_prefill_attention(
+                q3[nd:], k3[nd:], v3[nd:], kc, vc, self.slot_mapping[nd:], self.block_tables[nd:],
+                self.cu_prefill, self.context_lens[nd:], scale=scale, max_q_len=self.max_q_len))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(1, N, n_heads * head_dim)
+
+
+def build_step(cache: PagedKVCache, items: list[tuple[list[int], int, list[int]]], want_logits: list[int],
+               device) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
+    """Inputs for one forward over `items` = (block_table, start position, new token ids).
+
+    Items with one token must come first. want_logits[i] is how many trailing rows of item i
+    need logits (0: none, a prefill chunk that does not reach the end of its sequence).
+    Returns input_ids (1, N), positions (1, N) and the context.
+    """
+    bs = cache.block_size
+    ids, pos, slots, lens, qlens, rows = [], [], [], [], [], []
+    n_decode, seen_multi = 0, False
+    for (table, start, toks), nl in zip(items, want_logits):
+        T = len(toks)
+        if T == 1 and not seen_multi:
+            n_decode += 1
+        else:
+            seen_multi = True
+        base = len(ids)
+        ids.extend(toks)
+        pos.extend(range(start, start + T))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + T))
+        lens.append(start + T)
+        qlens.append(T)
+        rows.extend(range(base + T - nl, base + T))
+    width = max(-(-L // bs) for L in lens)
+    bt = torch.zeros(len(items), width, dtype=torch.int32)
+    for i, (table, _, _) in enumerate(items):
+        n = -(-lens[i] // bs)
+        bt[i, :n] = torch.tensor(table[:n], dtype=torch.int32)
+    cu = [0]
+    for t in qlens[n_decode:]:
+        cu.append(cu[-1] + t)
+
+    def dev(x, dt=torch.int32):
+        return torch.tensor(x, dtype=dt).to(device, non_blocking=True)
+
+    ctx = PagedContext(cache, n_decode, dev(slots, torch.int64), bt.to(device, non_blocking=True),
+                       dev(lens), dev(cu), max(qlens[n_decode:], default=0), dev(rows, torch.int64))
+    return dev([ids], torch.int64), dev([pos], torch.int64), ctx

@@ -1,0 +1,124 @@
+"""Scheduler: waiting and running queues, chunked prefill mixed with decode, preemption.
+
+Each step takes, under `max_num_batched_tokens`, first the running sequences (oldest first: their
+decode token, speculative proposals, or next prefill chunk), then admits waiting ones. When the
+KV blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
+to the front of the waiting queue with its generated tokens kept, to be recomputed later (its
+sampler state is untouched, so the output is the same as if it had never been preempted).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from llmaccel.runtime.block_manager import BlockManager
+from llmaccel.runtime.sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, bm: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.bm = bm
+        self.max_num_seqs, self.max_batched = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.capacity = bm.num_blocks * bm.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def reject_reason(self, seq: Sequence) -> str | None:
+        n = seq.n_prompt
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return (f"the prompt has {n} tokens; the model context is {self.max_model_len} "
+                    f"(prompt plus at least one new token must fit)")
+        if n > self.capacity:
+            return f"the prompt has {n} tokens; the whole KV cache holds {self.capacity}"
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free_seq(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.num_computed = seq.draft_computed = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the sequence could feed now with its own blocks plus all free ones."""
+        return (len(seq.block_table) + self.bm.num_free) * self.bm.block_size - seq.num_computed
+
+    def _fit(self, seq: Sequence, q: int) -> bool:
+        end = seq.num_computed + q
+        if not self.bm.can_grow(seq, end):
+            return False
+        self.bm.grow(seq, end)
+        return self.bm.make_writable(seq, seq.num_computed, end)
+
+    def _spec_k(self, seq: Sequence) -> int:
+        left = seq.params.max_tokens - seq.n_output - 1
+        return max(0, min(seq.spec_k, left, self.max_model_len - len(seq.token_ids) - 1))
+
+    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+        """Returns ([(sequence, tokens to feed)] with single tokens first, [sequences that
+        cannot fit even alone in the cache and so end with finish_reason 'length'])."""
+        budget, batch, too_long = self.max_batched, [], []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = len(seq.token_ids) - seq.num_computed
+            if len(seq.token_ids) > self.capacity:
+                self.running.pop(i)
+                self.bm.free_seq(seq)
+                too_long.append(seq)
+                continue
+            if remaining == 1:
+                q = 1 + min(self._spec_k(seq), budget - 1)
+            else:  # a prefill chunk shrinks to the blocks there are before anyone is preempted
+                q = min(remaining, budget, max(1, self._room(seq)))
+            while not self._fit(seq, q):
+                if q > 1 and remaining == 1:
+                    q = 1  # drop the speculation before preempting anyone
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.append((seq, q))
+                budget -= q
+                i += 1
+                continue
+            break
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if len(seq.token_ids) > self.capacity:
+                self.waiting.popleft()
+                too_long.append(seq)
+                continue
+            if not seq.block_table:
+                seq.num_computed = self.bm.match_prefix(seq)
+            remaining = len(seq.token_ids) - seq.num_computed
+            # Admit only when the whole remaining prompt fits now, so it is not preempted at once.
+            if self.bm.blocks_for(len(seq.token_ids)) - len(seq.block_table) > self.bm.num_free:
+                self.bm.free_seq(seq)
+                seq.num_computed = 0
+                break
+            q = min(remaining, budget)
+            self._fit(seq, q)
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, q))
+            budget -= q
+        batch.sort(key=lambda sq: sq[1] != 1)
+        return batch, too_long

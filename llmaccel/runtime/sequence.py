@@ -1,0 +1,75 @@
+"""A request in flight (Sequence) and what generate returns for it (RequestOutput)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from llmaccel.runtime.sampler import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    text: str = ""
+    finish_reason: str | None = None  # "length" | "stop" | "error"
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Sequence:
+    """Token ids (prompt + generated), how many have KV in the cache, and the block table.
+
+    Every step feeds token_ids[num_computed : num_computed + q]; when that reaches the end, the
+    last logits row gives the next token. Plain decode is the case of one token left to feed;
+    recompute after preemption and chunked prefill are the same loop with more.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
+                 device, spec_k: int = 0):
+        self.id = next(_ids)
+        self.prompt = prompt
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.n_prompt = len(prompt_ids)
+        self.num_computed = 0
+        self.draft_computed = 0  # tokens in the draft model's own cache (separate draft only)
+        self.block_table: list[int] = []
+        self.hashed_blocks = 0
+        self.spec_k = spec_k
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.text = ""
+        self.stop_cut: int | None = None  # text length where a stop string begins
+        self.generator = None
+        if params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.n_prompt:]
+
+    @property
+    def n_output(self) -> int:
+        return len(self.token_ids) - self.n_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.id, self.prompt, self.token_ids[: self.n_prompt],
+                             self.output_ids, self.text, self.finish_reason, self.error)

@@ -1,0 +1,109 @@
+"""Speculative decoding: drafts that propose k tokens, and verification that keeps the target's
+output distribution exactly (rejection sampling) and greedy output token for token.
+
+Drafts:
+  ModelDraft(shared=True)   the target's first layers + its LM head (LayerSkip style). Its layers
+                            are the target's, so it reads and writes the target's own paged cache
+                            (the target's verification rewrites those positions with equal values).
+  ModelDraft(shared=False)  a separate model with the same vocabulary and its own paged cache,
+                            indexed by the same block tables; it catches up lazily on the tokens it
+                            has not seen (the prompt on the first round).
+  NgramDraft                prompt lookup: the tokens that followed the latest earlier occurrence
+                            of the last n tokens (n = 3, 2, 1); q is one-hot.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmaccel.runtime.kv_cache import PagedKVCache, build_step
+from llmaccel.runtime.sampler import filtered_probs
+
+
+def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor | None, params,
+           generator, greedy_ids: list[int] | None = None) -> list[int]:
+    """Tokens to append: the accepted prefix of `proposal` plus one token from the target.
+
+    logits (k+1, V) are the target's at the positions before each proposed token and after the
+    last. Greedy: accept while the proposal equals the target's argmax. Sampling: accept x_i with
+    probability min(1, p(x_i) / q(x_i)); on the first rejection draw from norm(max(0, p - q));
+    if all are accepted draw the bonus token from p. q is one-hot when draft_probs is None.
+    """
+    k = len(proposal)
+    if params.temperature == 0:
+        am = greedy_ids if greedy_ids is not None else logits.argmax(-1).tolist()
+        a = 0
+        while a < k and proposal[a] == am[a]:
+            a += 1
+        return proposal[:a] + [am[a]]
+    p = filtered_probs(logits, params)
+    for i, x in enumerate(proposal):
+        qx = float(draft_probs[i, x]) if draft_probs is not None else 1.0
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u * qx < float(p[i, x]):
+            continue
+        if draft_probs is not None:
+            resid = (p[i] - draft_probs[i]).clamp_min(0)
+        else:
+            resid = p[i].clone()
+            resid[x] = 0
+        if float(resid.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
+            resid = p[i]
+        t = int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+        return proposal[:i] + [t]
+    return proposal + [int(torch.multinomial(p[k], 1, generator=generator))]
+
+
+class NgramDraft:
+    name = "ngram"
+
+    def __init__(self, n_max: int = 3, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def lookup(self, toks: list[int], k: int) -> list[int]:
+        L = len(toks)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            pattern = toks[L - n:]
+            for s in range(L - n - 1, -1, -1):  # latest earlier occurrence first
+                if toks[s: s + n] == pattern:
+                    return toks[s + n: s + n + k]
+        return []
+
+    def propose(self, items: list[tuple[object, int]]) -> dict[int, tuple[list[int], None]]:
+        return {seq.id: (self.lookup(seq.token_ids, k), None) for seq, k in items}
+
+
+class ModelDraft:
+    def __init__(self, gm, cache: PagedKVCache, *, shared: bool, device, name: str = "model"):
+        self.gm, self.cache, self.shared, self.device, self.name = gm, cache, shared, device, name
+
+    def _start(self, seq) -> int:
+        return seq.num_computed if self.shared else seq.draft_computed
+
+    @torch.no_grad()
+    def propose(self, items: list[tuple[object, int]]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """items: (sequence, k) with k >= 1 and exactly one token of the sequence not yet fed."""
+        out = {seq.id: ([], []) for seq, _ in items}
+        feed = {seq.id: seq.token_ids[self._start(seq):] for seq, _ in items}
+        start = {seq.id: self._start(seq) for seq, _ in items}
+        for j in range(max(k for _, k in items)):
+            live = sorted([(s, k) for s, k in items if k > j], key=lambda sk: len(feed[sk[0].id]) != 1)
+            step = [(s.block_table, start[s.id], feed[s.id]) for s, _ in live]
+            ids, pos, ctx = build_step(self.cache, step, [1] * len(step), self.device)
+            logits = self.gm(ids, pos, ctx)[0]
+            if not getattr(self.gm, "selects_rows", False):
+                logits = logits.index_select(0, ctx.logits_indices)
+            greedy = logits.argmax(-1).tolist()
+            for r, (s, _) in enumerate(live):
+                if s.params.temperature == 0:
+                    t = greedy[r]
+                else:
+                    q = filtered_probs(logits[r: r + 1], s.params)[0]
+                    t = int(torch.multinomial(q, 1, generator=s.generator))
+                    out[s.id][1].append(q)
+                out[s.id][0].append(t)
+                start[s.id] += len(feed[s.id])
+                feed[s.id] = [t]
+        for seq, _ in items:
+            if not self.shared:
+                seq.draft_computed = start[seq.id]
+        return {i: (toks, torch.stack(qs) if qs else None) for i, (toks, qs) in out.items()}

@@ -1,0 +1,204 @@
+"""GPU check of the paged runtime (run on the H200):
+
+1. the Triton paged kernels against the reference at real shapes (Llama-1B, Llama-2-7B,
+   SmolLM2 heads; bf16; decode with long contexts through split-K; varlen prefill);
+2. a load of 256 requests (prompts 128-1024 tokens, outputs 128-512, ignore_eos) on
+   preset:llama-1b bf16: every request must finish with exactly its max_tokens, and every output
+   token must be (near-)greedy under the reference executor, checked by teacher forcing over
+   prompt + output (one reference forward per request); throughput and mean time per output
+   token are measured;
+3. a few requests in fp32 against the reference executor's own greedy decode, token for token.
+
+Prints a short table last; writes JSON to $OUT/gpu_runtime_check.json when OUT is set.
+    python scripts/gpu_runtime_check.py [--requests 256] [--max-batched 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+from llmaccel import LLM, SamplingParams, load
+from llmaccel.kernels import paged_attention as pa
+
+
+def make_case(q_lens, ctx_lens, H, Hkv, D, bs, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = [-(-L // bs) for L in ctx_lens]
+    num_blocks = sum(nb) + 1
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = torch.zeros(len(q_lens), max(nb), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(nb):
+        bt[s, :n] = perm[used: used + n]
+        used += n
+    N = sum(q_lens)
+    slots = [int(bt[s, p // bs]) * bs + p % bs
+             for s in range(len(q_lens)) for p in range(ctx_lens[s] - q_lens[s], ctx_lens[s])]
+    c = dict(q=torch.randn(N, H, D), k=torch.randn(N, Hkv, D), v=torch.randn(N, Hkv, D),
+             k_cache=torch.randn(num_blocks, bs, Hkv, D), v_cache=torch.randn(num_blocks, bs, Hkv, D))
+    c = {n: x.to("cuda", dtype) for n, x in c.items()}
+    c.update(slot_mapping=torch.tensor(slots, device="cuda"), block_tables=bt.cuda(),
+             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device="cuda"),
+             cu_seqlens_q=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                                       device="cuda"))
+    return c
+
+
+def timed(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(iters):
+        fn()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / iters * 1000  # us
+
+
+def kernel_checks() -> list[dict]:
+    rng = random.Random(0)
+    cases = []
+    for H, Hkv, D, name in [(32, 8, 64, "llama-1b"), (32, 32, 128, "llama2-7b"), (9, 3, 64, "smollm2")]:
+        cases += [(name, "decode b64", [1] * 64, [rng.randint(1, 4096) for _ in range(64)], H, Hkv, D),
+                  (name, "decode b1 32k", [1], [32768], H, Hkv, D),
+                  (name, "prefill mixed", [512, 1, 300, 37, 1024, 5], [512, 900, 1500, 37, 1024, 2000],
+                   H, Hkv, D)]
+    out = []
+    for name, kind, q_lens, ctx, H, Hkv, D in cases:
+        c = make_case(q_lens, ctx, H, Hkv, D, 16, torch.bfloat16)
+        pa.write_kv_ref(c["k"], c["v"], c["k_cache"], c["v_cache"], c["slot_mapping"])
+        scale = D ** -0.5
+        f32 = {n: (x.float() if x.is_floating_point() else x) for n, x in c.items()}
+        args = ("q", "k_cache", "v_cache", "block_tables")
+        if kind.startswith("decode"):
+            def run():
+                return pa.paged_decode_triton(*(c[a] for a in args), c["context_lens"], scale)
+            want = pa.paged_decode_ref(*(f32[a] for a in args), f32["context_lens"], scale)
+        else:
+            mq = max(q_lens)
+
+            def run():
+                return pa.paged_prefill_triton(*(c[a] for a in args), c["cu_seqlens_q"],
+                                               c["context_lens"], scale, mq)
+            want = pa.paged_attention_ref(*(f32[a] for a in args), f32["cu_seqlens_q"],
+                                          f32["context_lens"], scale)
+        err = (run().float() - want).abs().max().item()
+        kv_bytes = 2 * sum(ctx) * Hkv * D * 2
+        us = timed(run)
+        out.append(dict(model=name, case=kind, max_abs_err=err, ok=err < 2e-2, us=round(us, 1),
+                        kv_GBps=round(kv_bytes / us / 1e3, 1)))
+        print(f"kernel {name:<10} {kind:<14} err {err:.2e} {us:9.1f} us  {out[-1]['kv_GBps']} GB/s",
+              flush=True)
+    return out
+
+
+def load_test(n_req: int, max_batched: int) -> dict:
+    rng = random.Random(0)
+    llm = LLM("preset:llama-1b", dtype="bfloat16", device="cuda", max_num_seqs=256,
+              max_num_batched_tokens=max_batched, gpu_memory_utilization=0.6)
+    V = llm.cfg.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
+    outs_n = [rng.randint(128, 512) for _ in range(n_req)]
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True))  # compile kernels
+    llm.generate([prompts[0] + prompts[1]] * 2 + [prompts[2][:1]], SamplingParams(max_tokens=2, ignore_eos=True))
+    torch.cuda.synchronize()
+    steps0 = llm.metrics()["steps"]
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True))
+            for p, o in zip(prompts, outs_n)]
+    first, done = {}, {}
+    t0 = time.perf_counter()
+    while len(done) < n_req:
+        llm.step()
+        now = time.perf_counter()
+        for s in seqs:
+            if s.id not in first and s.n_output > 0:
+                first[s.id] = now
+            if s.id not in done and s.finished:
+                done[s.id] = now
+    wall = time.perf_counter() - t0
+    n_out = sum(s.n_output for s in seqs)
+    tpot = [(done[s.id] - first[s.id]) / (s.n_output - 1) for s in seqs if s.n_output > 1]
+    lengths_ok = all(s.n_output == o and s.finish_reason == "length" and s.error is None
+                     for s, o in zip(seqs, outs_n))
+    # Teacher forcing: each output token must be the reference's argmax, or within bf16 noise of it.
+    agree, near, worst = 0, 0, 1.0
+    for s in seqs:
+        ids = torch.tensor([s.token_ids], device="cuda")
+        with torch.no_grad():
+            lg = llm.model.logits(ids)[0, s.n_prompt - 1: -1].float()
+        out = torch.tensor(s.output_ids, device="cuda")
+        tok = lg.gather(1, out[:, None])[:, 0]
+        mx = lg.max(-1).values
+        a = (lg.argmax(-1) == out).sum().item()
+        nr = (mx - tok <= 0.05).float().mean().item()
+        agree, near, worst = agree + a, near + nr * len(out), min(worst, nr)
+    m = llm.metrics()
+    return dict(requests=n_req, wall_s=round(wall, 2), output_tokens=n_out,
+                prompt_tokens=sum(len(p) for p in prompts), output_tok_s=round(n_out / wall, 1),
+                total_tok_s=round((n_out + sum(len(p) for p in prompts)) / wall, 1),
+                mean_tpot_ms=round(1000 * sum(tpot) / len(tpot), 2), steps=m["steps"] - steps0,
+                preemptions=m["preemptions"], kv_blocks_total=m["kv_blocks_total"],
+                kv_blocks_peak=m["kv_blocks_peak"], lengths_ok=lengths_ok,
+                argmax_agreement=round(agree / n_out, 4), near_greedy=round(near / n_out, 5),
+                worst_request_near_greedy=round(worst, 4),
+                intact=lengths_ok and worst >= 0.99)
+
+
+def fp32_exact(n: int = 6) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(1)
+    model = load("preset:llama-1b", dtype="float32", device="cuda")
+    V = model.config.vocab_size
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(128, 1024))] for _ in range(n)]
+    p = SamplingParams(max_tokens=48, ignore_eos=True)
+    outs = LLM(model, max_num_seqs=n, kv_cache_tokens=16384).generate(prompts, p)
+    same, tokens = 0, 0
+    for pr, o in zip(prompts, outs):
+        ref = list(model.generate_ids(pr, p))
+        k = next((i for i, (a, b) in enumerate(zip(ref, o.token_ids)) if a != b), len(ref))
+        same, tokens = same + k, tokens + len(ref)
+    return dict(requests=n, identical_prefix_tokens=same, tokens=tokens)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-batched", type=int, default=2048)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               date=time.strftime("%Y-%m-%d"))
+    res["kernels"] = kernel_checks()
+    res["fp32_vs_reference_greedy"] = fp32_exact()
+    torch.cuda.empty_cache()
+    res["load"] = load_test(a.requests, a.max_batched)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_runtime_check.json"), "w") as f:
+            json.dump(res, f, indent=2)
+    ld = res["load"]
+    print("\n| check | result |\n|---|---|")
+    print(f"| kernels (bf16 vs fp32 ref, tol 2e-2) | {sum(k['ok'] for k in res['kernels'])}"
+          f"/{len(res['kernels'])} ok, max err {max(k['max_abs_err'] for k in res['kernels']):.2e} |")
+    fx = res["fp32_vs_reference_greedy"]
+    print(f"| fp32 greedy vs reference executor | {fx['identical_prefix_tokens']}/{fx['tokens']} tokens identical |")
+    print(f"| load: {ld['requests']} req, {ld['prompt_tokens']} prompt + {ld['output_tokens']} output tokens"
+          f" | {ld['wall_s']} s, {ld['steps']} steps, {ld['preemptions']} preemptions |")
+    print(f"| load: throughput | {ld['output_tok_s']} output tok/s ({ld['total_tok_s']} incl. prompt) |")
+    print(f"| load: mean time per output token | {ld['mean_tpot_ms']} ms |")
+    print(f"| load: intact | {ld['intact']} (lengths {ld['lengths_ok']}, argmax {ld['argmax_agreement']:.2%},"
+          f" within 0.05 of max {ld['near_greedy']:.3%}, worst request {ld['worst_request_near_greedy']:.2%}) |")
+    ok = all(k["ok"] for k in res["kernels"]) and ld["intact"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

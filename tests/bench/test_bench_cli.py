@@ -1,0 +1,52 @@
+"""llmc bench on a tiny preset on the CPU: runs, prints one JSON line, rejects bad sizes."""
+import json
+
+import pytest
+
+from llmaccel.bench import cli as bench_cli
+from llmaccel.bench.run import kv_bytes_per_step, weight_bytes_per_step
+from llmaccel.compiler.model import load
+
+ARGS = ["preset:tiny-llama", "--batch", "2", "--prompt-len", "6", "--gen-len", "5", "--warmup", "1",
+        "--json"]
+
+
+def test_bench_prints_json(capsys):
+    assert bench_cli.main(ARGS) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(out[-1])
+    assert res["batch"] == 2 and res["prompt"] == 6 and res["gen"] == 5
+    assert res["passes"] == ["fuse"] and res["device"] == "cpu" and res["compiled"] is False
+    for key in ("decode_tok_s", "prefill_tok_s", "tpot_ms", "peak_mem_bytes", "bytes_per_step"):
+        assert res[key] > 0, key
+    assert "decode" in out[1]
+
+
+def test_bench_through_llmc_when_wired(capsys):
+    from llmaccel import cli
+
+    if "bench" not in cli.build_parser().format_help():
+        pytest.skip("llmc bench is not wired into llmaccel/cli.py")
+    assert cli.main(["bench", *ARGS, "--passes", ""]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["passes"] == []
+
+
+def test_bench_rejects_bad_sizes(capsys):
+    assert bench_cli.main(["preset:tiny-llama", "--batch", "0", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("llmc: error:") and "--batch" in err[0]
+    assert bench_cli.main(["preset:tiny-llama", "--prompt-len", "500", "--gen-len", "100"]) == 2
+    assert "exceeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("src", ["preset:tiny-llama", "preset:tiny-gpt2"])
+def test_bytes_per_step(src):
+    m = load(src)
+    c = m.config
+    total = sum(p.numel() * 4 for p in m.gm.parameters())
+    # a table only the embedding reads is read a row at a time (an untied embedding, GPT-2's
+    # positions); a tied one is read in full by the LM head
+    skip = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size * 4
+    skip += c.max_position * c.hidden_size * 4 if c.family == "gpt2" else 0
+    assert weight_bytes_per_step(m.gm) == total - skip
+    assert kv_bytes_per_step(m.gm, 3, 10, 2) == c.n_layers * 2 * 3 * c.n_kv_heads * c.head_dim * 10 * 2

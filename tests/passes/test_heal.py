@@ -1,0 +1,122 @@
+"""heal: distillation lowers the KL to the source on held-out windows; weights it must not touch
+(integer/packed, scales of packed weights, the embedding unless asked) stay as they were; tied
+weights stay tied; the loss curve lands in the report and the artifact."""
+import json
+
+import pytest
+import torch
+
+from llmaccel import ops
+from llmaccel.compiler.model import load
+from llmaccel.compiler.pipeline import compile
+from llmaccel.errors import LlmaccelError
+from llmaccel.passes import get_pass
+from llmaccel.passes.base import PassContext, Progress, make_config
+from llmaccel.passes.heal import trainable_weights, with_hidden
+from llmaccel.passes.ir import op_nodes, weight_of
+
+
+def _ctx(src, model):
+    g = torch.Generator().manual_seed(0)
+    return PassContext(model.config, progress=Progress(False), source_model=load(src),
+                       calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
+
+
+def _run(name, model, ctx, **opts):
+    cls = get_pass(name)
+    return cls(make_config(cls, {k: str(v) for k, v in opts.items()})).run(model.gm, ctx)
+
+
+def _damage(model, scale=0.5):
+    g = torch.Generator().manual_seed(1)
+    for n in op_nodes(model.gm, ops.linear):
+        w = weight_of(model.gm, n.args[1])
+        w.add_(scale * w.std() * torch.randn(w.shape, generator=g))
+
+
+@pytest.mark.parametrize("src", ["preset:tiny-llama", "preset:tiny-gpt2"])
+def test_heal_reduces_held_out_kl(src):
+    m = load(src)
+    _damage(m)
+    st = _run("heal", m, _ctx(src, m), steps=16, lr=3e-3, seq_len=32, batch=4, warmup=2).stats
+    assert st["kl_after"] < 0.9 * st["kl_before"]
+    assert st["delta_ppl_pct_after"] < st["delta_ppl_pct_before"]
+    assert len(st["loss_curve"]) == 16 and st["loss_curve"][-1] < st["loss_curve"][0]
+    assert all(not p.requires_grad for p in m.gm.parameters())
+
+
+def test_heal_keeps_embedding_and_tied_weights():
+    src = "preset:tiny-gpt2"  # tied embedding
+    m = load(src)
+    emb0 = m.gm.embed.weight.clone()
+    _damage(m)
+    _run("heal", m, _ctx(src, m), steps=3, seq_len=16, batch=2, eval_windows=2)
+    assert torch.equal(m.gm.embed.weight, emb0)  # frozen by default
+    _run("heal", m, _ctx(src, m), steps=3, seq_len=16, batch=2, eval_windows=2, embed="true", lr=1e-2)
+    assert not torch.equal(m.gm.embed.weight, emb0)
+    emb = [n for n in m.gm.graph.nodes if n.op == "get_attr" and n.target == "embed.weight"]
+    users = {u.target for n in emb for u in n.users}
+    assert users == {ops.embedding, ops.lm_head}  # one tensor still feeds both
+
+
+def test_trainable_weights_skip_integer_and_their_scales():
+    m = load("preset:tiny-llama")
+    lin = op_nodes(m.gm, ops.linear)[0]
+    from llmaccel.passes.ir import add_weight
+    q = add_weight(m.gm, "packed.qweight", torch.zeros(4, 4, dtype=torch.int8), lin)
+    s = add_weight(m.gm, "packed.scales", torch.ones(4), lin)
+
+    def fake_int_linear(x, qweight, scales):  # stands for any quantized op
+        return x
+    with m.gm.graph.inserting_after(lin):
+        n = m.gm.graph.call_function(fake_int_linear, (lin, q, s))
+    names = set(trainable_weights(m.gm, embed=False))
+    assert "packed.qweight" not in names and "packed.scales" not in names
+    assert "embed.weight" not in names and lin.args[1].target in names
+    m.gm.graph.erase_node(n)
+
+
+def test_hidden_loss_on_plain_and_fused_graphs():
+    for passes in (["heal"], ["fuse", "heal"]):
+        m = compile("preset:tiny-llama", passes, {"heal": {"steps": "2", "seq_len": "16", "batch": "2",
+                                                           "eval_windows": "2", "hidden": "1.0"}},
+                    progress=False, eval_tokens=0)
+        st = m.report["passes"][-1]["stats"]
+        assert st["kl_before"] < 1e-6 and len(st["loss_curve"]) == 2
+    logits, hidden = with_hidden(load("preset:tiny-llama").gm)(torch.zeros(1, 3, dtype=torch.long),
+                                                              torch.arange(3)[None], None)
+    assert logits.shape == (1, 3, 512) and hidden.shape == (1, 3, 64)
+
+
+def test_gqa_fuse_heal_pipeline_report_and_artifact(tmp_path):
+    opts = {"gqa": {"kv_heads": "1", "calib_samples": "2", "calib_seq_len": "16"},
+            "heal": {"steps": "4", "seq_len": "16", "batch": "2", "eval_windows": "2"}}
+    m = compile("preset:tiny-llama", ["gqa", "fuse", "heal"], opts, progress=False, eval_tokens=64)
+    st = m.report["passes"][-1]["stats"]
+    for k in ("ppl_before", "ppl_after", "delta_ppl_pct_before", "delta_ppl_pct_after", "loss_curve"):
+        assert k in st
+    m.save(tmp_path / "a", m.report)
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert rep["passes"][-1]["stats"]["loss_curve"] == st["loss_curve"]
+    ids = torch.randint(0, 512, (1, 12))
+    torch.testing.assert_close(load(str(tmp_path / "a")).logits(ids), m.logits(ids))
+
+
+def test_heal_after_quant_if_available():
+    try:
+        m = compile("preset:tiny-llama", ["gqa", "quant", "fuse", "heal"],
+                    {"gqa": {"calib_samples": "2", "calib_seq_len": "16"},
+                     "quant": {"method": "rtn", "group_size": "32"},
+                     "heal": {"steps": "2", "seq_len": "16", "batch": "2", "eval_windows": "2"}},
+                    progress=False, eval_tokens=0)
+    except LlmaccelError as e:
+        pytest.skip(f"quant pass not usable here: {e}")
+    ints = [t for t in m.gm.parameters() if not t.is_floating_point()]
+    assert ints and m.report["passes"][-1]["stats"]["params_trained"] > 0
+
+
+def test_heal_options_are_validated():
+    with pytest.raises(LlmaccelError, match="heal.steps"):
+        make_config(get_pass("heal"), {"steps": "0"})
+    with pytest.raises(LlmaccelError, match="source model"):
+        get_pass("heal")().run(load("preset:tiny-llama").gm, PassContext(load("preset:tiny-llama").config))

@@ -1,0 +1,92 @@
+"""relu: the gated MLP becomes ReLU-gated, the down-projection a sparse_down of the transposed
+weight (exactly the same product), sparsity is measured per layer, and the mean correction is
+the calibrated mean of the activation change pushed through the down-projection."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmaccel import ops
+from llmaccel.compiler.model import load
+from llmaccel.compiler.pipeline import compile
+from llmaccel.errors import LlmaccelError
+from llmaccel.ops.sparse import relu_glu, sparse_down
+from llmaccel.passes import get_pass
+from llmaccel.passes.base import PassContext, Progress, make_config
+from llmaccel.passes.ir import op_nodes, weight_of
+from llmaccel.passes.relu import measure_sparsity
+
+CALIB = {"calib_samples": "4", "calib_seq_len": "32"}
+IDS = torch.Generator().manual_seed(0)
+
+
+def _run(model, **opts):
+    g = torch.Generator().manual_seed(0)
+    ctx = PassContext(model.config, progress=Progress(False),
+                      calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
+    cls = get_pass("relu")
+    res = cls(make_config(cls, {**CALIB, **{k: str(v) for k, v in opts.items()}})).run(model.gm, ctx)
+    res.gm.recompile()
+    return res
+
+
+def test_relu_ops_and_sparse_down_is_the_same_product():
+    ids = torch.randint(0, 512, (2, 16), generator=IDS)
+    dense = load("preset:tiny-llama")
+    _run(dense, kind="relu", bias_correct="false", sparse_op="false")
+    sparse = load("preset:tiny-llama")
+    st = _run(sparse, kind="relu", bias_correct="false").stats
+    assert dense.op_counts()["relu_mul"] == 2 and "silu_mul" not in dense.op_counts()
+    assert sparse.op_counts()["sparse_down"] == 2 and sparse.op_counts()["linear"] == 12
+    torch.testing.assert_close(sparse.logits(ids), dense.logits(ids), rtol=1e-5, atol=1e-5)
+    assert len(st["sparsity_per_layer"]) == 2 and 0.3 < st["sparsity_mean"] < 0.7
+    node = op_nodes(sparse.gm, sparse_down)[0]
+    assert node.kwargs["sparsity"] == st["sparsity_per_layer"][0]
+    assert "layers.0.down.weight" not in dict(sparse.gm.named_parameters())  # only the transpose kept
+
+
+def test_drelu_is_sparser_and_computes_drelu():
+    m = load("preset:tiny-llama")
+    st = _run(m, kind="drelu", bias_correct="false").stats
+    assert st["sparsity_mean"] > 0.65  # ~3/4 for independent signs of gate and up
+    g, u = torch.randn(3, 8), torch.randn(3, 8)
+    torch.testing.assert_close(relu_glu(g, u, kind="drelu"), F.relu(g) * F.relu(u))
+    torch.testing.assert_close(relu_glu(g, u, kind="relu", shift=0.5), F.relu(g - 0.5) * u)
+    ids = torch.randint(0, 512, (1, 32), generator=IDS)
+    assert measure_sparsity(m.gm, ids)[0] > 0.6
+
+
+def test_shift_raises_sparsity():
+    a, b = load("preset:tiny-llama"), load("preset:tiny-llama")
+    assert _run(b, shift=0.3).stats["sparsity_mean"] > _run(a).stats["sparsity_mean"] + 0.05
+
+
+def test_bias_correction_matches_the_mean_change():
+    m = load("preset:tiny-llama")
+    ref = load("preset:tiny-llama")
+    w = weight_of(ref.gm, [n for n in ref.gm.graph.nodes if n.op == "get_attr"
+                           and n.target == "layers.0.down.weight"][0]).clone()
+    _run(m, kind="relu", sparse_op="false")
+    down = op_nodes(m.gm, ops.linear)[6]  # q k v o gate up down: the 7th linear
+    assert down.args[1].target == "layers.0.down.weight"
+    bias = weight_of(m.gm, down.args[2])
+    # layer 0's MLP input does not depend on the ReLUfication: recompute the mean change
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (4, 32), generator=g)
+    from llmaccel.passes.relu import _probe
+    mlp = op_nodes(ref.gm, ops.silu_mul)[0]
+    gate, up = _probe(ref.gm, list(mlp.args[:2]), ids)
+    delta = (F.silu(gate) * up - F.relu(gate) * up).flatten(0, 1).mean(0)
+    torch.testing.assert_close(bias, w @ delta, rtol=1e-4, atol=1e-6)
+
+
+def test_relu_after_fuse_then_heal():
+    opts = {"relu": {**CALIB, "kind": "drelu"},
+            "heal": {"steps": "2", "seq_len": "16", "batch": "2", "eval_windows": "2"}}
+    m = compile("preset:tiny-llama", ["fuse", "relu", "heal"], opts, progress=False, eval_tokens=0)
+    assert m.op_counts()["sparse_down"] == 2 and m.op_counts()["relu_glu"] == 2
+    assert m.report["passes"][-1]["stats"]["params_trained"] > 0
+
+
+def test_relu_needs_a_gated_mlp():
+    with pytest.raises(LlmaccelError, match="no SiLU-gated MLP"):
+        _run(load("preset:tiny-gpt2"))

@@ -1,0 +1,194 @@
+"""The paged runtime on tiny presets against the reference executor (the oracle)."""
+import pytest
+import torch
+
+from llmaccel import LLM, SamplingParams, load
+from llmaccel.compiler.model import Model
+from llmaccel.runtime.block_manager import BlockManager
+from llmaccel.runtime.graph import layerskip_draft
+from llmaccel.runtime.sequence import Sequence
+from llmaccel.runtime.speculative import verify
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("preset:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 40, 12)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts):
+    return [list(tiny.generate_ids(p, GREEDY)) for p in prompts]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"kv_cache_tokens": 96, "block_size": 8},  # 12 blocks for 6 sequences: preemption
+    {"kv_cache_tokens": 120, "block_size": 3, "max_num_batched_tokens": 16},  # odd blocks, chunks
+    {"speculative": "self"},
+    {"speculative": "self:1"},  # LayerSkip draft sharing the target's cache
+    {"speculative": "ngram"},
+    {"speculative": "preset:tiny-llama", "num_speculative_tokens": 3},  # a draft model (== target)
+], ids=["batched", "preempt", "chunked", "self", "self-layers", "ngram", "draft-model"])
+def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
+    llm = LLM(tiny, **kw)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+    m = llm.metrics()
+    assert m["kv_blocks_used"] == 0  # everything freed
+    if kw.get("kv_cache_tokens") == 96:
+        assert m["preemptions"] > 0
+    if kw.get("speculative") == "preset:tiny-llama":
+        assert m["spec_accept_rate"] == 1.0 and m["spec_tokens_per_step"] > 3
+
+
+def test_bad_speculative_options_are_clear(tiny):
+    from llmaccel.errors import LlmaccelError
+
+    with pytest.raises(LlmaccelError, match="self:N with N in 1..1"):
+        LLM(tiny, speculative="self:7")
+    with pytest.raises(LlmaccelError, match="unknown model"):
+        LLM(tiny, speculative="no-such-draft")
+
+
+def test_gpt2_family_runs_on_the_paged_cache():
+    m = load("preset:tiny-gpt2")
+    p = [[1, 2, 3, 4, 5], [7] * 20]
+    ref = [list(m.generate_ids(x, GREEDY)) for x in p]
+    assert [o.token_ids for o in LLM(m, block_size=4).generate(p, GREEDY)] == ref
+
+
+def test_graphs_from_exact_and_weight_passes_run(prompts):
+    from llmaccel import compile
+
+    m = compile("preset:tiny-llama", ["quant", "fuse"], {"quant": {"bits": 8, "method": "rtn"}},
+                eval_tokens=0, progress=False)
+    want = [list(m.generate_ids(p, GREEDY)) for p in prompts[:3]]
+    assert [o.token_ids for o in LLM(m, block_size=4).generate(prompts[:3], GREEDY)] == want
+
+
+def test_too_long_prompts_fail_alone(tiny, prompts, reference):
+    llm = LLM(tiny, kv_cache_tokens=64, block_size=8)
+    outs = llm.generate([prompts[0], [5] * 600, [5] * 80, prompts[1]], GREEDY)
+    assert outs[0].token_ids == reference[0] and outs[3].token_ids == reference[1]
+    assert outs[1].finish_reason == "error" and "model context is 512" in outs[1].error
+    assert outs[2].finish_reason == "error" and "KV cache holds 64" in outs[2].error
+    assert llm.metrics()["requests_failed"] == 2
+
+
+def test_prefix_caching_shares_blocks_and_keeps_outputs(tiny):
+    prefix = list(range(10, 74))  # 4 full blocks of 16
+    a, b = prefix + [3, 4], prefix + [9, 8, 7]
+    ref = [list(tiny.generate_ids(x, GREEDY)) for x in (a, b)]
+    peaks = {}
+    for caching in (True, False):
+        # The budget admits `a` alone in the first step; `b` arrives when a's blocks are cached.
+        llm = LLM(tiny, enable_prefix_caching=caching, max_num_batched_tokens=66)
+        outs = llm.generate([a, b], GREEDY)
+        assert [o.token_ids for o in outs] == ref
+        peaks[caching] = llm.metrics()["kv_blocks_peak"]
+        if caching:
+            assert llm.metrics()["prefix_cache_hit_tokens"] == 64
+    assert peaks[True] <= peaks[False] - 4
+
+
+def test_copy_on_write_and_refcounts():
+    bm = BlockManager(6, 4)
+    s1 = Sequence(list(range(9)), GREEDY, None, "cpu")
+    assert bm.grow(s1, 9) and len(s1.block_table) == 3
+    s1.num_computed = 9
+    bm.register(s1)
+    s2 = Sequence(list(range(9)) + [5], GREEDY, None, "cpu")
+    assert bm.match_prefix(s2) == 8 and s2.block_table == s1.block_table[:2]
+    assert bm.blocks[s1.block_table[0]].ref == 2
+    assert bm.make_writable(s2, 4, 6)  # writing into a shared block copies it
+    assert s2.block_table[1] != s1.block_table[1] and bm.copies == [(s1.block_table[1], s2.block_table[1])]
+    bm.free_seq(s1)
+    bm.free_seq(s2)
+    assert bm.num_free == 6
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching(tiny, prompts):
+    p = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=10, seed=7, ignore_eos=True)
+    alone = LLM(tiny).generate([prompts[2]], p)[0].token_ids
+    batched = LLM(tiny, block_size=4).generate(prompts, [GREEDY] * 2 + [p] + [GREEDY] * 3)
+    assert batched[2].token_ids == alone
+    ref = list(tiny.generate_ids(prompts[2], p))  # same seed, same draws as the reference executor
+    assert alone == ref
+
+
+def test_eos_and_streaming(tiny, prompts):
+    llm = LLM(tiny)
+    full = llm.generate([prompts[1]], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    eos = full[5]
+    tiny.config.eos_token_id, old = eos, tiny.config.eos_token_id
+    try:
+        llm = LLM(tiny)
+        out = llm.generate([prompts[1]], SamplingParams(max_tokens=20))[0]
+        assert out.finish_reason == "stop" and out.token_ids == full[: full.index(eos)]
+    finally:
+        tiny.config.eos_token_id = old
+    assert list(LLM(tiny).stream(prompts[1], GREEDY)) == []  # no tokenizer: no text
+
+
+def _chi2_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample chi-square p-value for equal-sized samples, bins with few counts pooled."""
+    big = (a + b) >= 10
+    a = torch.cat([a[big], a[~big].sum()[None]]).double()
+    b = torch.cat([b[big], b[~big].sum()[None]]).double()
+    keep = (a + b) > 0
+    stat = ((a[keep] - b[keep]) ** 2 / (a[keep] + b[keep])).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2))
+
+
+def _histograms(llm_or_model, n, seed0, prompt, vocab):
+    ps = [SamplingParams(temperature=1.0, max_tokens=4, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+    outs = llm_or_model.generate([prompt] * n, ps)
+    toks = torch.tensor([o.token_ids for o in outs])
+    return [torch.bincount(toks[:, j], minlength=vocab) for j in range(1, 4)]
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tiny):
+    spec, prompt, n, V = "self:1", [5, 6, 7, 5, 6, 7, 5, 6], 1500, tiny.config.vocab_size
+    plain = _histograms(LLM(tiny, max_num_seqs=n), n, 0, prompt, V)
+    llm = LLM(tiny, speculative=spec, num_speculative_tokens=2, max_num_seqs=n)
+    specd = _histograms(llm, n, 10 ** 6, prompt, V)
+    assert llm.metrics()["spec_proposed"] > 0 and llm.metrics()["spec_accepted"] > 0
+    for a, b in zip(plain, specd):
+        assert _chi2_p(a, b) > 1e-3
+    # The test has power: the draft's own distribution is told apart from the target's.
+    draft = Model(layerskip_draft(tiny.gm, tiny.config, 1), tiny.config, source="draft")
+    d = _histograms(LLM(draft, max_num_seqs=n), n, 0, prompt, V)
+    assert min(_chi2_p(a, b) for a, b in zip(plain, d)) < 1e-4
+
+
+@pytest.mark.parametrize("draft", ["one-hot", "model"])
+def test_rejection_sampling_output_follows_the_target(draft):
+    """verify() alone: whatever q proposed, the first emitted token is distributed as p."""
+    g = torch.Generator().manual_seed(0)
+    V, n = 6, 6000
+    logits = torch.randn(3, V, generator=g) * 1.5
+    p0 = torch.softmax(logits[0], -1)
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(V)
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        if draft == "one-hot":
+            prop, qp = [int(p0.argmax()), 1], None
+        else:
+            prop = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+            qp = q
+        counts[verify(logits, prop, qp, params, gen)[0]] += 1
+    want = p0 * n
+    stat = ((counts - want) ** 2 / want).sum()
+    assert float(torch.special.gammaincc(torch.tensor((V - 1) / 2.0), stat / 2)) > 1e-3
