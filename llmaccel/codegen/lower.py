@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 import pkgutil
@@ -28,31 +29,27 @@ from llmaccel.ops.rope import rope_inv_freq
 # IR ops that never map to a custom op by name: attention takes the attention context (a
 # Python object, not a tensor) and rope is lowered to the table form below.
 _NOT_BY_NAME = {"attention", "rope"}
-_kernels_loaded: dict[str, str] | None = None
-
-
+@functools.cache
 def load_kernel_modules() -> dict[str, str]:
     """Import every module of llmaccel.kernels once, so their custom ops are registered.
 
     Returns {module: "ok" | error}; a module that fails to import only loses its ops.
     """
-    global _kernels_loaded
-    if _kernels_loaded is None:
-        _kernels_loaded = {}
+    loaded: dict[str, str] = {}
+    try:
+        import llmaccel.kernels as pkg
+    except ImportError:
+        return loaded
+    for info in pkgutil.iter_modules(pkg.__path__):
+        name = f"llmaccel.kernels.{info.name}"
         try:
-            import llmaccel.kernels as pkg
-        except ImportError:
-            return _kernels_loaded
-        for info in pkgutil.iter_modules(pkg.__path__):
-            name = f"llmaccel.kernels.{info.name}"
-            try:
-                importlib.import_module(name)
-                _kernels_loaded[info.name] = "ok"
-            except Exception as e:  # a kernel module being written may not import yet
-                _kernels_loaded[info.name] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"llmaccel: kernel module {name} failed to import ({e}); "
-                              f"its ops stay on the reference path")
-    return _kernels_loaded
+            importlib.import_module(name)
+            loaded[info.name] = "ok"
+        except Exception as e:  # e.g. a Triton build that lacks a feature: keep the reference
+            loaded[info.name] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"llmaccel: kernel module {name} failed to import ({e}); "
+                          f"its ops stay on the reference path")
+    return loaded
 
 
 def ir_op_name(node: torch.fx.Node) -> str | None:
