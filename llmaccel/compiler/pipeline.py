@@ -110,8 +110,7 @@ def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress)
     else:
         return {"skipped": "calibration used the whole file: no held-apart text"}
     res = evaluate(model, ids, baseline=baseline, progress=progress)
-    base = evaluate(baseline, ids, progress=progress)
-    res.update(text=text, baseline_ppl=base["ppl"], delta_ppl_pct=100 * (res["ppl"] / base["ppl"] - 1))
+    res.update(text=text, delta_ppl_pct=100 * (res["ppl"] / res["baseline_ppl"] - 1))
     return res
 
 

@@ -62,7 +62,7 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
     """
     chunk = resolve_chunk(model, chunk)
     base_chunk = resolve_chunk(baseline, None) if baseline is not None else None
-    nll, n, kl, agree = 0.0, 0, 0.0, 0
+    nll, n, kl, agree, base_nll = 0.0, 0, 0.0, 0, 0.0
     n_windows = len(range(0, len(ids) - 1, ctx))
     size = batch if chunk is not None or base_chunk is not None else 1
     bar = tqdm(total=n_windows, desc="eval", unit="win", disable=not progress, file=sys.stderr)
@@ -73,6 +73,7 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
         n += len(y)
         if baseline is not None:
             base = window_logits(baseline, x, base_chunk).float().flatten(0, 1).to(logits.device)
+            base_nll += F.cross_entropy(base, y, reduction="sum").item()
             lp_b, lp_m = base.log_softmax(-1), logits.log_softmax(-1)
             kl += (lp_b.exp() * (lp_b - lp_m)).sum(-1).sum().item()
             agree += (base.argmax(-1) == logits.argmax(-1)).sum().item()
@@ -81,5 +82,6 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
     out = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "windows": n_windows, "ctx": ctx,
            "chunk": chunk}
     if baseline is not None:
-        out.update(kl=kl / n, top1=agree / n)
+        # The baseline's own perplexity comes free with its logits (no second pass over the text).
+        out.update(kl=kl / n, top1=agree / n, baseline_ppl=math.exp(base_nll / n))
     return out

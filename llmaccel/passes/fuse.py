@@ -91,13 +91,14 @@ def _fuse_linears(gm: torch.fx.GraphModule) -> dict:
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for lin in op_nodes(gm, ops.linear):
         groups.setdefault(lin.args[0], []).append(lin)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     fused = 0
     for x, lins in groups.items():
         if len(lins) < 2:
             continue
         ws = [weight_of(gm, lin.args[1]) for lin in lins]
         bs = [weight_of(gm, lin.args[2] if len(lin.args) > 2 else None) for lin in lins]
-        first = min(lins, key=lambda n: list(gm.graph.nodes).index(n))
+        first = min(lins, key=order.__getitem__)
         base = _group_name([lin.args[1].target for lin in lins])
         w_node = add_weight(gm, base + ".weight", torch.cat(ws, 0), first)
         b_node = None

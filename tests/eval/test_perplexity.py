@@ -28,6 +28,14 @@ def test_baseline_against_itself_has_zero_kl():
     m = load("preset:tiny-gpt2")
     res = evaluate(m, torch.randint(0, 512, (40,)), ctx=16, baseline=load("preset:tiny-gpt2"), progress=False)
     assert res["kl"] == pytest.approx(0.0, abs=1e-6) and res["top1"] == 1.0
+    assert res["baseline_ppl"] == pytest.approx(res["ppl"], rel=1e-6)
+
+
+def test_baseline_ppl_equals_its_own_evaluation():
+    ids = torch.randint(0, 512, (50,))
+    res = evaluate(load("preset:tiny-llama"), ids, ctx=16, baseline=load("preset:tiny-gpt2"), progress=False)
+    alone = evaluate(load("preset:tiny-gpt2"), ids, ctx=16, progress=False)
+    assert res["baseline_ppl"] == pytest.approx(alone["ppl"], rel=1e-6)
 
 
 def test_self_text_is_seeded_and_sized():
