@@ -70,8 +70,9 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     report = {"source": source, "dtype": str(model.dtype).removeprefix("torch."),
               "calib": calib, "calib_split": calib_split, "ops_before": model.op_counts(),
               "passes": []}
-    for name, cfg in zip(names, configs):
+    for i, (name, cfg) in enumerate(zip(names, configs)):
         cls = get_pass(name)
+        ctx.later = tuple(names[i + 1:])
         before = model.logits(sample) if verify else None
         reporter.log(f"pass {name} ...")
         t0 = time.perf_counter()

@@ -45,6 +45,9 @@ class PassContext:
     # Returns calibration token ids of shape (n_samples, seq_len); computed on first use.
     calib_source: Callable[[int, int], torch.Tensor] | None = None
     source_model: Any = None  # the model before any pass, for passes that distil against it
+    # Names of the passes that run after the current one: a pass that has a training form
+    # (see Pass.heal_schedule) emits it only when `heal` follows.
+    later: tuple[str, ...] = ()
     _calib_cache: dict = field(default_factory=dict)
 
     def calib_tokens(self, n_samples: int, seq_len: int) -> torch.Tensor:
@@ -72,6 +75,19 @@ class Pass:
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError
+
+    # Training forms. A pass whose inference form cannot be trained directly (a progressive
+    # blend that ends in a folded op, packed weights that need a straight-through estimator)
+    # emits a training form when `heal` is in ctx.later. heal calls these two hooks of every
+    # registered pass; both are no-ops unless the graph holds that pass's training form.
+    @classmethod
+    def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
+        """Set the training form to training progress `frac` in [0, 1]; 1 = as unhealed inference."""
+
+    @classmethod
+    def heal_finish(cls, gm: torch.fx.GraphModule) -> dict[str, Any]:
+        """Replace the training form by the inference form in place; returns stats (empty if none)."""
+        return {}
 
 
 def option_fields(config_cls: type) -> dict[str, tuple[Any, Any]]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
+from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.ir import is_op, weight_of
 
@@ -168,6 +169,10 @@ class Heal(Pass):
         if not params:
             raise LlmaccelError("heal: the graph has no float weights it may train")
         train, held = self._data(ctx)
+        # Passes with a training form: "before" is measured in their unhealed inference state.
+        hooks = list(registry().values())
+        for h in hooks:
+            h.heal_schedule(gm, 1.0)
         before = held_out_quality(gm, teacher, held, c.batch)
         student_fwd = with_hidden(gm) if c.hidden else gm
         teacher_fwd = with_hidden(teacher) if c.hidden else teacher
@@ -179,6 +184,8 @@ class Heal(Pass):
         try:
             bar = ctx.progress(range(c.steps), desc="heal")
             for step in bar:
+                for h in hooks:
+                    h.heal_schedule(gm, step / c.steps)
                 idx = [(step * c.batch + j) % len(train) for j in range(c.batch)]
                 x = train[idx, :-1]
                 with torch.no_grad():
@@ -204,6 +211,12 @@ class Heal(Pass):
                 p.requires_grad_(False)
                 p.grad = None
         seconds = time.perf_counter() - t0
+        finished: dict = {}
+        for h in hooks:
+            h.heal_schedule(gm, 1.0)
+            finished.update(h.heal_finish(gm))
+        gm.graph.lint()
+        gm.recompile()
         after = held_out_quality(gm, teacher, held, c.batch)
         curve, every = _curve(losses)
         stats = {
@@ -218,6 +231,7 @@ class Heal(Pass):
             "delta_ppl_pct_after": round(after["delta_ppl_pct"], 3),
             "kl_before": round(before["kl"], 5), "kl_after": round(after["kl"], 5),
             "loss_curve_every": every, "loss_curve": curve,
+            **finished,
         }
         return PassResult(gm, len(params), stats)
 
