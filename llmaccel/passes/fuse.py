@@ -87,7 +87,7 @@ def _group_name(targets: list[str]) -> str:
     return f"{prefix}.{joined}" if prefix else joined
 
 
-def _fuse_linears(gm: torch.fx.GraphModule) -> dict:
+def fuse_linears(gm: torch.fx.GraphModule) -> dict:
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for lin in op_nodes(gm, ops.linear):
         groups.setdefault(lin.args[0], []).append(lin)
@@ -155,7 +155,7 @@ class Fuse(Pass):
         if c.norms:
             stats.update(_fold_norms(gm))
         if c.linears:
-            stats.update(_fuse_linears(gm))
+            stats.update(fuse_linears(gm))
         if c.add_norm:
             stats.update(_fuse_add_norm(gm))
         stats["weights_dropped"] = prune_weights(gm)

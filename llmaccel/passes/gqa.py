@@ -13,7 +13,8 @@ Methods:
   complex scale commutes with RoPE, so the fold is exact up to the rank-1 fit. GPT-2 (no RoPE)
   uses the real PCA for K as for V.
 
-Works on graphs whose q, k, v are separate linears (run gqa before fuse or quant).
+Works on float graphs, before or after `fuse` (fused q/k/v linears are split for the merge and
+fused again afterwards); quantized linears must come after gqa.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch.fx
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import is_op, op_nodes, replace_weight, weight_of
+from llmaccel.passes.fuse import fuse_linears
+from llmaccel.passes.ir import is_op, op_nodes, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
 @dataclass
@@ -48,8 +50,8 @@ def _linear_of(node: torch.fx.Node, what: str, att: torch.fx.Node) -> torch.fx.N
     if is_op(node, ops.rope):
         node = node.args[0]
     if not is_op(node, ops.linear):
-        raise LlmaccelError(f"gqa: layer {att.kwargs['layer']}'s {what} is not a plain linear "
-                            "(fused qkv or quantized?); run gqa before fuse and quant")
+        raise LlmaccelError(f"gqa: layer {att.kwargs['layer']}'s {what} is not a float linear "
+                            "(quantized?); run gqa before quant")
     return node
 
 
@@ -143,6 +145,9 @@ class GQA(Pass):
             raise LlmaccelError(f"gqa.kv_heads={c.kv_heads} must divide the model's {Hkv} KV heads")
         if c.kv_heads == Hkv:
             return PassResult(gm, 0, {"kv_heads_before": Hkv, "kv_heads_after": Hkv})
+        # A fused graph's q/k/v are one linear: split it for the merge, fuse it again after.
+        unfused = unfuse_linears(gm)
+        atts = op_nodes(gm, ops.attention)
         sites = [_site(a) for a in atts]
         acts = None
         if c.method != "mean":
@@ -152,9 +157,12 @@ class GQA(Pass):
             self._merge(gm, s, acts[i] if acts else None, H, Hkv, hd)
         elem = weight_of(gm, sites[0]["k"].args[1]).element_size()
         per_tok = lambda n: 2 * len(sites) * n * hd * elem  # noqa: E731  K and V, every layer
+        if unfused:
+            fuse_linears(gm)
+            prune_weights(gm)
         if ctx.config is not None:
             ctx.config.n_kv_heads = c.kv_heads  # the graph now caches kv_heads heads per layer
-        return PassResult(gm, len(sites), {
+        return PassResult(gm, len(sites), {"fused_groups_split_and_refused": unfused,
             "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
             "kv_bytes_per_token_before": per_tok(Hkv), "kv_bytes_per_token_after": per_tok(c.kv_heads)})
 

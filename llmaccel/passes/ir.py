@@ -1,6 +1,8 @@
 """Small helpers that passes share for reading and rewriting IR nodes and weights."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -71,6 +73,41 @@ def prune_weights(gm: torch.fx.GraphModule) -> int:
                 del mod._buffers[leaf]
             dropped += 1
     return dropped
+
+
+def unfuse_linears(gm: torch.fx.GraphModule) -> int:
+    """Split every fused linear (one linear read only by a `split` along the last dim, as `fuse`
+    writes them) back into one linear per part. Exact. Returns the number of groups split."""
+    n = 0
+    for lin in op_nodes(gm, ops.linear):
+        users = list(lin.users)
+        if len(users) != 1 or users[0].op != "call_method" or users[0].target != "split":
+            continue
+        sp = users[0]
+        dim = sp.kwargs.get("dim", sp.args[2] if len(sp.args) > 2 else 0)
+        sizes = sp.args[1]
+        w_full = weight_of(gm, lin.args[1])
+        b_full = weight_of(gm, lin.args[2] if len(lin.args) > 2 else None)
+        if dim not in (-1, 1) or not isinstance(sizes, (list, tuple)) or sum(sizes) != w_full.shape[0] \
+                or not all(is_op(g, operator.getitem) for g in sp.users):
+            continue
+        base = lin.args[1].target.removesuffix(".weight")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for g in list(sp.users):
+            i = g.args[1]
+            rows = slice(starts[i], starts[i] + sizes[i])
+            w = add_weight(gm, f"{base}.part{i}.weight", w_full[rows].clone(), g)
+            b = None if b_full is None else add_weight(gm, f"{base}.part{i}.bias", b_full[rows].clone(), g)
+            with gm.graph.inserting_before(g):
+                part = gm.graph.call_function(ops.linear, (lin.args[0], w, b))
+            g.replace_all_uses_with(part)
+            gm.graph.erase_node(g)
+        gm.graph.erase_node(sp)
+        gm.graph.erase_node(lin)
+        n += 1
+    if n:
+        prune_weights(gm)
+    return n
 
 
 LINEAR_OPS = (ops.linear,)

@@ -101,8 +101,9 @@ def test_gqa_errors_and_noop():
     with pytest.raises(LlmaccelError, match="must divide"):
         _run(m, kv_heads=3)
     assert _run(m, kv_heads=2).changed == 0
-    with pytest.raises(LlmaccelError, match="before fuse"):
-        compile("preset:tiny-llama", ["fuse", "gqa"], {"gqa": CALIB}, progress=False, eval_tokens=0)
+    with pytest.raises(LlmaccelError, match="before quant"):
+        compile("preset:tiny-llama", ["quant", "gqa"], {"gqa": CALIB, "quant": {"bits": "8"}},
+                progress=False, eval_tokens=0)
     with pytest.raises(LlmaccelError, match="gqa.kv_heads"):
         make_config(get_pass("gqa"), {"kv_heads": "0"})
 
@@ -115,3 +116,15 @@ def test_gqa_then_fuse_artifact_roundtrip(tmp_path):
     assert back.config.n_kv_heads == 1
     ids = torch.randint(0, 512, (1, 12))
     torch.testing.assert_close(back.logits(ids), m.logits(ids))
+
+
+@pytest.mark.parametrize("src", ["preset:tiny-llama", "preset:tiny-gpt2"])
+def test_gqa_after_fuse_equals_gqa_before_fuse(src):
+    """On a fused graph gqa splits q/k/v, merges and fuses again: the same model as gqa,fuse."""
+    opts = {"gqa": {"kv_heads": "1", "method": "mean"}}
+    a = compile(src, ["gqa", "fuse"], opts, progress=False, eval_tokens=0)
+    b = compile(src, ["fuse", "gqa"], opts, progress=False, eval_tokens=0)
+    assert b.report["passes"][1]["stats"]["fused_groups_split_and_refused"] > 0
+    assert b.op_counts() == a.op_counts()
+    ids = torch.randint(0, b.config.vocab_size, (2, 12))
+    torch.testing.assert_close(b.logits(ids), a.logits(ids), rtol=1e-4, atol=1e-4)
