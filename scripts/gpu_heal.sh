@@ -1,34 +1,72 @@
 #!/usr/bin/env bash
-# Longer heals of gqa (kv_heads=1) and relu (relu and drelu) on a CUDA device, then the
-# quality protocol on held-out text (second half of WikiText-2 test, 8192 tokens, ctx 512).
-# Usage: scripts/gpu_heal.sh [STEPS] [OUTDIR]   (default 2000 steps of 4 x 512 tokens, out/heal-gpu)
-# Healing runs in float32 (AdamW updates vanish in bf16 weights). The loss curves are in each
+# Heals of every architecture pass on one CUDA device, side by side (SmolLM2-135M is small: the
+# jobs share the GPU), then the quality protocol on held-out text (second half of WikiText-2
+# test, 8192 tokens, ctx 512) for the healed and the unhealed artifacts.
+# Usage: scripts/gpu_heal.sh [MINUTES] [OUTDIR] [JOBS...]
+#   MINUTES: wall-clock heal budget per job (heal.minutes; default 6), OUTDIR default out/heal-gpu,
+#   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all).
+# Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
+# Healing runs in float32 (AdamW updates vanish in bf16 weights). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.
-set -euo pipefail
-STEPS=${1:-2000}
+set -uo pipefail
+MIN=${1:-6}
 OUT=${2:-out/heal-gpu}
-LLMC=${LLMC:-.venv/bin/llmc}
-PY=${PY:-.venv/bin/python}
+shift $(( $# >= 2 ? 2 : $# ))
+JOBS=${*:-gqa1 relu drelu repbn sla bitlinear}
+SRC=${SRC:-smollm2-135m}
+PY=${PY:-python}
+LLMC=${LLMC:-$PY -m llmaccel.cli}
 TEXT=${TEXT:-data/wikitext2/wiki.test.raw}
 mkdir -p "$OUT"
-HEAL="--set heal.steps=$STEPS --set heal.seq_len=512 --set heal.batch=4 --set heal.lr=2e-4 --set heal.warmup=50 --set heal.eval_windows=16"
-run() {  # name, passes, extra --set options
-  local name=$1 passes=$2; shift 2
-  "$LLMC" compile smollm2-135m --device cuda --passes "$passes" "$@" $HEAL \
-    --calib "$TEXT" --calib-split first-half --eval-tokens 8192 -o "$OUT/$name" | tee "$OUT/$name.compile.txt"
-  "$LLMC" eval "$OUT/$name" --device cuda --text "$TEXT" --split second-half --max-tokens 8192 \
-    --ctx 512 --baseline smollm2-135m --json | tee "$OUT/$name.eval.txt"
+HEAL="--set heal.steps=100000 --set heal.minutes=$MIN --set heal.seq_len=512 --set heal.batch=4 --set heal.warmup=50 --set heal.eval_windows=16"
+
+passes_of() {  # job -> pass list and options
+  case $1 in
+    gqa1) echo "gqa --set gqa.kv_heads=1" ;;
+    relu) echo "relu --set relu.kind=relu" ;;
+    drelu) echo "relu --set relu.kind=drelu" ;;
+    repbn) echo "repbn" ;;
+    sla) echo "sla" ;;
+    bitlinear) echo "bitlinear" ;;
+    *) echo "unknown job $1" >&2; return 1 ;;
+  esac
 }
-run gqa1 gqa,heal --set gqa.kv_heads=1
-run relu relu,heal --set relu.kind=relu
-run drelu relu,heal --set relu.kind=drelu
-# unhealed references for the before/after table
-for p in "gqa1-noheal gqa --set gqa.kv_heads=1" "relu-noheal relu --set relu.kind=relu" "drelu-noheal relu --set relu.kind=drelu"; do
-  set -- $p
-  name=$1 passes=$2; shift 2
-  "$LLMC" compile smollm2-135m --device cuda --passes "$passes" "$@" --calib "$TEXT" \
-    --calib-split first-half --eval-tokens 8192 -o "$OUT/$name" | tee "$OUT/$name.compile.txt"
-done
+lr_of() { case $1 in bitlinear|sla|repbn) echo 5e-4 ;; *) echo 2e-4 ;; esac; }
+
+job() {
+  local name=$1 spec passes
+  spec=$(passes_of "$name") || return 1
+  passes=${spec%% *}
+  local opts=${spec#"$passes"}
+  $LLMC compile "$SRC" --device cuda --passes "$passes" $opts --calib "$TEXT" --calib-split first-half \
+    --eval-tokens 8192 -o "$OUT/$name-noheal" > "$OUT/$name-noheal.compile.txt" 2>&1
+  $LLMC compile "$SRC" --device cuda --passes "$passes,heal" $opts $HEAL --set heal.lr=$(lr_of "$name") \
+    --calib "$TEXT" --calib-split first-half --eval-tokens 8192 -o "$OUT/$name" > "$OUT/$name.compile.txt" 2>&1
+  $LLMC eval "$OUT/$name" --device cuda --text "$TEXT" --split second-half --max-tokens 8192 \
+    --ctx 512 --baseline "$SRC" --json > "$OUT/$name.eval.txt" 2>&1
+  echo "$name done: $(tail -c 300 "$OUT/$name.eval.txt" | tr '\n' ' ')"
+}
+
+for j in $JOBS; do job "$j" & done
+wait
 # sparsity after heal (heal changes the weights, so the relu pass's own figure is pre-heal)
-"$PY" scripts/plot_heal.py --sparsity "$OUT/relu" "$OUT/drelu" --text "$TEXT" --device cuda | tee "$OUT/sparsity.txt"
-"$PY" scripts/plot_heal.py "$OUT"/gqa1/report.json "$OUT"/relu/report.json "$OUT"/drelu/report.json -o docs/heal_gpu.png
+for j in relu drelu; do [ -d "$OUT/$j" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$j" --text "$TEXT" --device cuda; done \
+  | tee "$OUT/sparsity.txt"
+reports=$(for j in $JOBS; do [ -f "$OUT/$j/report.json" ] && echo "$OUT/$j/report.json"; done)
+[ -n "$reports" ] && $PY scripts/plot_heal.py $reports -o "$OUT/heal_gpu.png"
+# one summary line per job: unhealed and healed held-out quality
+$PY - "$OUT" $JOBS <<'EOF'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+print(f"{'job':10} {'dPPL noheal':>12} {'dPPL healed':>12} {'KL healed':>10} {'steps':>6}")
+for j in sys.argv[2:]:
+    def q(name):
+        p = out / name / "report.json"
+        return json.loads(p.read_text()) if p.exists() else None
+    a, b = q(f"{j}-noheal"), q(j)
+    da = a["quality"]["delta_ppl_pct"] if a and "quality" in a else float("nan")
+    db = b["quality"]["delta_ppl_pct"] if b and "quality" in b else float("nan")
+    kl = b["quality"].get("kl", float("nan")) if b and "quality" in b else float("nan")
+    steps = b["passes"][-1]["stats"]["steps"] if b else 0
+    print(f"{j:10} {da:+12.2f} {db:+12.2f} {kl:10.4f} {steps:6d}")
+EOF

@@ -43,6 +43,9 @@ class HealConfig:
     embed: bool = False      # also train the token embedding / LM head (large, usually not needed)
     eval_windows: int = 8    # held-out calibration windows for the before/after measurement
     warmup: int = 2          # linear warm-up steps, then cosine decay to lr/10
+    # Wall-clock budget (0 = none): training progress is the larger of step/steps and
+    # elapsed/budget, so the lr decay and the passes' schedules still complete when time runs out.
+    minutes: float = 0.0
 
     def __post_init__(self):
         for k in ("steps", "seq_len", "batch", "eval_windows"):
@@ -50,8 +53,8 @@ class HealConfig:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
         if not self.lr > 0:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
-        if self.hidden < 0 or self.warmup < 0:
-            raise LlmaccelError("heal.hidden and heal.warmup must not be negative")
+        if self.hidden < 0 or self.warmup < 0 or self.minutes < 0:
+            raise LlmaccelError("heal.hidden, heal.warmup and heal.minutes must not be negative")
 
 
 def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.nn.Parameter]:
@@ -132,10 +135,12 @@ def held_out_quality(gm, teacher_gm, windows: torch.Tensor, batch: int) -> dict:
     return {"ppl": ppl, "source_ppl": base, "delta_ppl_pct": 100 * (ppl / base - 1), "kl": kl / n}
 
 
-def _lr_at(step: int, c: HealConfig) -> float:
+def _lr_at(step: int, frac: float, c: HealConfig) -> float:
+    """Linear warm-up over the first `warmup` steps, then cosine from lr to lr/10 as frac -> 1."""
     if step < c.warmup:
         return c.lr * (step + 1) / (c.warmup + 1)
-    frac = (step - c.warmup) / max(1, c.steps - c.warmup)
+    start = c.warmup / c.steps
+    frac = min(1.0, max(0.0, (frac - start) / max(1e-9, 1 - start)))
     return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -181,11 +186,20 @@ class Heal(Pass):
         opt = torch.optim.AdamW(list(params.values()), lr=c.lr, weight_decay=0.0)
         losses: list[float] = []
         t0 = time.perf_counter()
+        budget = 60 * c.minutes
+        # TF32 matmuls for training only (about 2x on GPUs); before/after quality stays full fp32.
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
         try:
             bar = ctx.progress(range(c.steps), desc="heal")
             for step in bar:
+                frac = step / c.steps
+                if budget:
+                    frac = max(frac, (time.perf_counter() - t0) / budget)
+                    if frac >= 1.0:
+                        break
                 for h in hooks:
-                    h.heal_schedule(gm, step / c.steps)
+                    h.heal_schedule(gm, frac)
                 idx = [(step * c.batch + j) % len(train) for j in range(c.batch)]
                 x = train[idx, :-1]
                 with torch.no_grad():
@@ -198,7 +212,7 @@ class Heal(Pass):
                 else:
                     loss = kl_loss(s_out, t_out)
                 for group in opt.param_groups:
-                    group["lr"] = _lr_at(step, c)
+                    group["lr"] = _lr_at(step, frac, c)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
@@ -207,6 +221,7 @@ class Heal(Pass):
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
         finally:
+            torch.set_float32_matmul_precision(precision)
             for p in params.values():
                 p.requires_grad_(False)
                 p.grad = None
@@ -220,10 +235,10 @@ class Heal(Pass):
         after = held_out_quality(gm, teacher, held, c.batch)
         curve, every = _curve(losses)
         stats = {
-            "steps": c.steps, "train_tokens": c.steps * c.batch * c.seq_len,
-            "distinct_windows": min(len(train), c.steps * c.batch),
+            "steps": len(losses), "train_tokens": len(losses) * c.batch * c.seq_len,
+            "distinct_windows": min(len(train), len(losses) * c.batch),
             "params_trained": sum(p.numel() for p in params.values()),
-            "seconds_per_step": round(seconds / c.steps, 3),
+            "seconds_per_step": round(seconds / max(1, len(losses)), 3),
             "held_out_tokens": held.shape[0] * (held.shape[1] - 1),
             "source_ppl": round(before["source_ppl"], 4),
             "ppl_before": round(before["ppl"], 4), "ppl_after": round(after["ppl"], 4),

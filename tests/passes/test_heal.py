@@ -120,3 +120,14 @@ def test_heal_options_are_validated():
         make_config(get_pass("heal"), {"steps": "0"})
     with pytest.raises(LlmaccelError, match="source model"):
         get_pass("heal")().run(load("preset:tiny-llama").gm, PassContext(load("preset:tiny-llama").config))
+
+
+def test_heal_time_budget_stops_early_and_reports_steps_done():
+    m = compile("preset:tiny-llama", ["gqa", "heal"],
+                {"gqa": {"kv_heads": "1", "method": "mean"},
+                 "heal": {"steps": "100000", "seq_len": "16", "batch": "1", "eval_windows": "2",
+                          "minutes": "0.02"}},
+                calib="self", eval_tokens=0, progress=False)
+    st = m.report["passes"][-1]["stats"]
+    assert 1 <= st["steps"] < 100000
+    assert st["train_tokens"] == st["steps"] * 16
