@@ -24,7 +24,8 @@ def cmd_bench(a) -> None:
                 device=a.device, passes=a.passes, options=parse_sets(a.set),
                 compile=_bool_or_auto(a.compile), mode=None if a.mode == "none" else a.mode,
                 lower_ops=_lower_select(a.lower), linear=a.linear, attn=a.attn, warmup=a.warmup,
-                measure_bw=not a.no_bw, tune=a.tune, profile=not a.no_profile)
+                measure_bw=not a.no_bw, tune=a.tune, profile=not a.no_profile,
+                speculative=a.speculative, spec_k=a.spec_k, prompt=a.prompt)
     print(render(res))
     if a.json:
         print(json.dumps(res))
@@ -49,6 +50,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "grouped"],
                    help="decode attention over the static cache (auto: grouped)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--speculative", default=None, metavar="DRAFT",
+                   help="also run greedy speculative decoding (batch 1): ngram | self:N (first N layers)")
+    p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
+    p.add_argument("--prompt", default=None, help="prompt text instead of --prompt-len random tokens")
     p.add_argument("--tune", action="store_true", help="Inductor coordinate-descent tuning (slower compile)")
     p.add_argument("--no-bw", action="store_true", help="skip measuring the copy bandwidth")
     p.add_argument("--no-profile", action="store_true", help="skip the per-step kernel profile (CUDA)")

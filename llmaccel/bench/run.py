@@ -8,6 +8,7 @@ by a copy bandwidth: 4.27e12 B/s measured on the H200, or the one measured in th
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import time
@@ -108,7 +109,8 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
           device="auto", passes="fuse", options: dict | None = None, compile: bool | None = None,
           mode: str | None = "auto", lower_ops="all", linear: str = "auto", attn: str = "auto",
           warmup: int = 2, measure_bw: bool = True, tune: bool = False, profile: bool = True,
-          seed: int = 0) -> dict:
+          seed: int = 0, speculative: str | None = None, spec_k: int = 4,
+          prompt: str | None = None) -> dict:
     from llmaccel.compiler.pipeline import compile as compile_model
 
     if min(batch, prompt_len, gen_len) < 1:
@@ -125,7 +127,14 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     model = compile_model(src, passes, options or {}, dtype=dtype, device=device, eval_tokens=0,
                           progress=False)
     load_s = time.perf_counter() - t0
-    need = prompt_len + gen_len
+    if prompt is not None:
+        prompt_ids = model.encode(prompt)
+        if not prompt_ids:
+            raise LlmaccelError("--prompt encodes to no tokens")
+        prompt_len = len(prompt_ids)
+    if speculative is not None and batch != 1:
+        raise LlmaccelError("--speculative runs at --batch 1")
+    need = prompt_len + gen_len + (spec_k + 1 if speculative else 0)
     max_len = min(64 * math.ceil(need / 64), model.config.max_position)
     if need > max_len:
         raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
@@ -133,6 +142,8 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
                        linear=linear, attn=attn, tune=tune)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(dev)
+    if prompt is not None:
+        ids = torch.tensor([prompt_ids], device=dev)
 
     from torch._dynamo.utils import counters
 
@@ -171,6 +182,9 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     if dev.type == "cuda" and eng.compiled:
         # each skip means a step runs kernel by kernel; TORCH_LOGS=cudagraphs says why
         res["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+    if speculative is not None:
+        res.update(_bench_speculative(src, model, eng, ids, gen_len, out, speculative, spec_k,
+                                      passes, dtype, device, warmup, dev))
     if dev.type == "cuda" and profile and gen_len > 12:
         try:
             res.update(profile_decode(eng, ids))
@@ -186,6 +200,38 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     return res
 
 
+def _bench_speculative(src, model, eng, ids, gen_len, plain_out, spec, k, passes, dtype, device,
+                       warmup, dev) -> dict:
+    """Greedy speculative decode against the plain decode just measured: speed-up and equality."""
+    from llmaccel.codegen.speculative import SpeculativeDecoder, parse_draft
+    from llmaccel.compiler.model import Model, load
+    from llmaccel.compiler.pipeline import parse_pass_list
+    from llmaccel.passes import get_pass
+    from llmaccel.passes.base import PassContext
+    from llmaccel.runtime.graph import layerskip_draft
+
+    kind = parse_draft(spec, model.config.n_layers)
+    draft = "ngram"
+    if kind != "ngram":
+        raw = load(src, dtype=dtype, device=device)
+        dgm = layerskip_draft(raw.gm, raw.config, kind)
+        dcfg = dataclasses.replace(raw.config, n_layers=kind)
+        if "fuse" in parse_pass_list(passes):
+            dgm = get_pass("fuse")().run(dgm, PassContext(dcfg, device)).gm
+            dgm.recompile()
+        dmodel = Model(dgm, dcfg, source=f"{src} (first {kind} layers)", dtype=raw.dtype, device=device)
+        draft = DecodeEngine(dmodel, 1, eng.max_len, compile=eng.compiled or None,
+                             linear=eng.linear, attn=eng.attn, cache=eng.cache)
+    dec = SpeculativeDecoder(eng, draft, k)
+    _timed(lambda: [dec.generate(ids, gen_len) for _ in range(warmup)], dev)
+    spec_s, out = _timed(lambda: dec.generate(ids, gen_len), dev)
+    same = (out == plain_out).all(-1)
+    first_diff = None if bool(same.all()) else int((out != plain_out).long().argmax(-1)[0])
+    return {"speculative": spec, "spec_decode_tok_s": gen_len / spec_s, "spec_generate_s": spec_s,
+            "spec_identical_to_plain": bool(same.all()), "spec_first_difference": first_diff,
+            **dec.stats()}
+
+
 def render(res: dict) -> str:
     lines = [f"{res['src']} {res['dtype']} on {res['device_name']}: batch {res['batch']}, "
              f"prompt {res['prompt']}, gen {res['gen']} (passes: {','.join(res['passes']) or '-'}, "
@@ -199,6 +245,11 @@ def render(res: dict) -> str:
     if "roofline_tok_s" in res:
         lines.append(f"  roofline {res['roofline_tok_s']:10.1f} tok/s at {res['roofline_bw'] / 1e12:.2f} TB/s; "
                      f"decode step at {100 * (res['roofline_frac'] or 0):.1f}% of it")
+    if "spec_decode_tok_s" in res:
+        lines.append(f"  speculative {res['speculative']} (k={res['spec_k']}): {res['spec_decode_tok_s']:.1f} tok/s "
+                     f"= {res['spec_decode_tok_s'] / res['decode_tok_s']:.2f}x plain; acceptance "
+                     f"{100 * (res['spec_accept_rate'] or 0):.1f}%, {res['spec_tokens_per_round'] or 0:.2f} "
+                     f"tokens/round; greedy output identical to plain: {res['spec_identical_to_plain']}")
     if res.get("cudagraph_skips"):
         lines.append(f"  WARNING: Inductor skipped CUDA graphs {res['cudagraph_skips']} time(s) (see the log)")
     if "kernels_per_step" in res:

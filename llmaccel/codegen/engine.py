@@ -59,7 +59,8 @@ class StepState(nn.Module):
 class DecodeEngine:
     def __init__(self, model: Model, batch: int, max_len: int, *, compile: bool | None = None,
                  mode: str | None = "auto", backend: str = "inductor", lower_ops="all",
-                 linear: str = "auto", attn: str = "auto", fullgraph: bool = True, tune: bool = False):
+                 linear: str = "auto", attn: str = "auto", fullgraph: bool = True, tune: bool = False,
+                 cache: StaticKVCache | None = None):
         if linear not in LINEAR_IMPLS:
             raise LlmaccelError(f"unknown linear implementation {linear!r}; known: {', '.join(LINEAR_IMPLS)}")
         if attn not in ("auto", *ATTN_IMPLS):
@@ -82,11 +83,15 @@ class DecodeEngine:
             linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH else "mm"
         self.linear = linear
         self.attn = "grouped" if attn == "auto" else attn
-        self.cache = StaticKVCache.for_graph(model.gm, batch, max_len, model.dtype, dev)
+        # A draft that is the target's first layers passes the target's cache: it reads and
+        # writes the same K/V for those layers.
+        self.cache = cache if cache is not None else StaticKVCache.for_graph(model.gm, batch, max_len,
+                                                                               model.dtype, dev)
         self.prefill_gm, self.report = lower(model.gm, max_len=max_len, select=lower_ops,
                                              last_only=True)
         self.full_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops)
         self.decode_gm = self.full_gm
+        self.compile_opts = {}
         if linear == "rows":
             self.decode_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, linear="rows")
         # One position tensor per step, made once: no host-to-device copy inside the loop.
@@ -105,6 +110,7 @@ class DecodeEngine:
             opts = dict(backend=backend, fullgraph=fullgraph)
             if mode is not None and backend == "inductor":
                 opts["mode"] = mode
+            self.compile_opts = opts
             step = torch.compile(step, **opts)
             self._logits_step = torch.compile(self._logits_step, **opts)
         self._decode = step
