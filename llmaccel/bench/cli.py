@@ -51,7 +51,8 @@ def add_parser(subparsers) -> None:
                    help="decode attention over the static cache (auto: grouped)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--speculative", default=None, metavar="DRAFT",
-                   help="also run greedy speculative decoding (batch 1): ngram | self:N (first N layers)")
+                   help="also run greedy speculative decoding (batch 1): ngram | self:N (first N layers); "
+                        "several, comma-separated, are each compared with the same plain decode")
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--prompt", default=None, help="prompt text instead of --prompt-len random tokens")
     p.add_argument("--tune", action="store_true", help="Inductor coordinate-descent tuning (slower compile)")

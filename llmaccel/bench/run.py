@@ -183,8 +183,10 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         # each skip means a step runs kernel by kernel; TORCH_LOGS=cudagraphs says why
         res["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
     if speculative is not None:
-        res.update(_bench_speculative(src, model, eng, ids, gen_len, out, speculative, spec_k,
-                                      passes, dtype, device, warmup, dev))
+        # several drafts (comma-separated) are measured against the same plain decode
+        res["speculative"] = [_bench_speculative(src, model, eng, ids, gen_len, out, spec.strip(), spec_k,
+                                                 passes, dtype, device, warmup, dev)
+                              for spec in speculative.split(",") if spec.strip()]
     if dev.type == "cuda" and profile and gen_len > 12:
         try:
             res.update(profile_decode(eng, ids))
@@ -245,11 +247,11 @@ def render(res: dict) -> str:
     if "roofline_tok_s" in res:
         lines.append(f"  roofline {res['roofline_tok_s']:10.1f} tok/s at {res['roofline_bw'] / 1e12:.2f} TB/s; "
                      f"decode step at {100 * (res['roofline_frac'] or 0):.1f}% of it")
-    if "spec_decode_tok_s" in res:
-        lines.append(f"  speculative {res['speculative']} (k={res['spec_k']}): {res['spec_decode_tok_s']:.1f} tok/s "
-                     f"= {res['spec_decode_tok_s'] / res['decode_tok_s']:.2f}x plain; acceptance "
-                     f"{100 * (res['spec_accept_rate'] or 0):.1f}%, {res['spec_tokens_per_round'] or 0:.2f} "
-                     f"tokens/round; greedy output identical to plain: {res['spec_identical_to_plain']}")
+    for sp in res.get("speculative", []):
+        lines.append(f"  speculative {sp['speculative']} (k={sp['spec_k']}): {sp['spec_decode_tok_s']:.1f} tok/s "
+                     f"= {sp['spec_decode_tok_s'] / res['decode_tok_s']:.2f}x plain; acceptance "
+                     f"{100 * (sp['spec_accept_rate'] or 0):.1f}%, {sp['spec_tokens_per_round'] or 0:.2f} "
+                     f"tokens/round; greedy output identical to plain: {sp['spec_identical_to_plain']}")
     if res.get("cudagraph_skips"):
         lines.append(f"  WARNING: Inductor skipped CUDA graphs {res['cudagraph_skips']} time(s) (see the log)")
     if "kernels_per_step" in res:

@@ -47,7 +47,9 @@ def test_speculative_bad_input():
 
 
 def test_bench_reports_speculative():
-    res = bench("preset:tiny-llama", prompt_len=8, gen_len=24, speculative="self:1", spec_k=3,
+    res = bench("preset:tiny-llama", prompt_len=8, gen_len=24, speculative="self:1,ngram", spec_k=3,
                 measure_bw=False, warmup=1)
-    assert res["spec_identical_to_plain"] and res["spec_decode_tok_s"] > 0
-    assert 0 <= res["spec_accept_rate"] <= 1
+    assert [r["speculative"] for r in res["speculative"]] == ["self:1", "ngram"]
+    for r in res["speculative"]:
+        assert r["spec_identical_to_plain"] and r["spec_decode_tok_s"] > 0
+        assert 0 <= r["spec_accept_rate"] <= 1
