@@ -33,6 +33,16 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.copies: list[tuple[int, int]] = []  # (src, dst) copies the KV cache must perform
         self.hit_tokens = 0
+        self.capacity = num_blocks * block_size
+        self.chunk_unit = 1  # a prefill chunk may end anywhere
+
+    def holds(self, n_tokens: int, n_prompt: int) -> bool:
+        """Whether one sequence of n_tokens fits the whole cache."""
+        return n_tokens <= self.capacity
+
+    def room(self, seq) -> int:
+        """Tokens the sequence could feed now with its own blocks plus all free ones."""
+        return (len(seq.block_table) + self.num_free) * self.block_size - seq.num_computed
 
     @property
     def num_free(self) -> int:

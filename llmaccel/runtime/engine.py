@@ -9,6 +9,9 @@ from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.graph import layerskip_draft, runtime_graph
+from llmaccel.runtime.kivi_blocks import KiviBlockManager
+from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
+                                         pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
 from llmaccel.runtime.sampler import SamplingParams, filtered_probs
 from llmaccel.runtime.scheduler import Scheduler
@@ -55,10 +58,10 @@ class LLM:
         self.eos = self.cfg.eos_ids
         self.gm = runtime_graph(self.model.gm)
         layers = attention_layers(self.model.gm)
-        if any("kv_quant" in n.kwargs for n in self.model.gm.graph.nodes if n.op == "call_function"):
-            raise LlmaccelError("the paged runtime has no KIVI-quantized KV cache yet; this graph was "
-                                "compiled with kvquant: run it with the reference executor "
-                                "(Model.generate_ids / llmc eval) or compile it without kvquant")
+        self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
+        if any(getattr(n.target, "__name__", "") == "linear_attention" for n in self.model.gm.graph.nodes):
+            raise LlmaccelError("the paged runtime has no recurrent-state cache for linear attention (sla); "
+                                "run this graph with the reference executor (Model.generate_ids / llmc eval)")
         self.k_max = max(1, num_speculative_tokens)
         draft_model, draft_layers_map = self._draft_source(speculative, draft_layers, layers)
         bpt = PagedKVCache.bytes_per_token(layers, self.dtype)
@@ -66,11 +69,15 @@ class LLM:
             bpt += PagedKVCache.bytes_per_token(draft_layers_map, self.dtype)
         tokens = kv_cache_tokens if kv_cache_tokens is not None else self._default_tokens(
             bpt, max_num_batched_tokens, gpu_memory_utilization)
-        num_blocks = tokens // block_size
-        if num_blocks < 1:
-            raise LlmaccelError(f"kv_cache_tokens={tokens} holds no block of {block_size} tokens")
-        self.cache = PagedKVCache(layers, num_blocks, block_size, self.dtype, self.device)
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        if self.kivi is not None:
+            self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
+                                                   max_num_batched_tokens, gpu_memory_utilization)
+        else:
+            num_blocks = tokens // block_size
+            if num_blocks < 1:
+                raise LlmaccelError(f"kv_cache_tokens={tokens} holds no block of {block_size} tokens")
+            self.cache = PagedKVCache(layers, num_blocks, block_size, self.dtype, self.device)
+            self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.cfg.max_position)
@@ -110,6 +117,23 @@ class LLM:
             raise LlmaccelError(f"draft {speculative} has a vocabulary of {d.config.vocab_size}; "
                                 f"the target's is {self.cfg.vocab_size}")
         return d, attention_layers(d.gm)
+
+    def _kivi_cache(self, layers, speculative, tokens, max_seqs, max_batched, fraction):
+        """The packed KIVI cache (kivi_cache.py): blocks of one key group, no prefix caching.
+
+        kv_cache_tokens is the token capacity; without it the byte budget is split between
+        the full-precision pool (residual windows) and the packed pool."""
+        g, r = self.kivi["group"], self.kivi["residual"]
+        if speculative is not None:
+            raise LlmaccelError("speculative decoding does not run on a KIVI-quantized cache yet; "
+                                "drop speculative= or compile without kvquant")
+        if max_batched < g:
+            raise LlmaccelError(f"max_num_batched_tokens must be at least the KIVI group ({g})")
+        budget = None if tokens is not None else self._default_tokens(1, max_batched, fraction)
+        nf, nq = kivi_pool_sizes(layers, self.kivi, self.dtype, max_num_seqs=max_seqs,
+                                 tokens=tokens, budget_bytes=budget)
+        cache = KiviPagedCache(layers, self.kivi, nf, nq, self.dtype, self.device)
+        return cache, KiviBlockManager(nf, nq, g, r)
 
     def _default_tokens(self, bpt: int, max_batched: int, fraction: float) -> int:
         if str(self.device).startswith("cuda"):
@@ -234,10 +258,14 @@ class LLM:
             plan.append((seq, toks, nl))
         plan.sort(key=lambda p: len(p[1]) != 1)
         for seq, toks, nl in plan:
-            items.append((seq.block_table, seq.num_computed, toks))
+            items.append((seq, toks) if self.kivi else (seq.block_table, seq.num_computed, toks))
             want.append(nl)
-        ids, pos, ctx = build_step(self.cache, items, want, self.device)
+        step_inputs = build_kivi_step if self.kivi else build_step
+        ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
         logits = self.gm(ids, pos, ctx)[0]
+        if self.kivi:
+            for seq, _, _ in plan:
+                self.bm.release_aged(seq)
         if not getattr(self.gm, "selects_rows", False):
             logits = logits.index_select(0, ctx.logits_indices)
         greedy = logits.argmax(-1).tolist()
@@ -303,8 +331,10 @@ class LLM:
         s = dict(self.stats)
         s.update(preemptions=self.sched.preemptions, kv_blocks_used=self.bm.num_used,
                  kv_blocks_total=self.bm.num_blocks, block_size=self.bm.block_size,
-                 prefix_cache_hit_tokens=self.bm.hit_tokens,
+                 prefix_cache_hit_tokens=self.bm.hit_tokens, prefix_caching=self.bm.prefix_caching,
                  speculative=None if self.draft is None else self.draft.name,
                  spec_accept_rate=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
                  spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0)
+        if self.kivi:
+            s.update(kivi_metrics(self.cache, self.bm))
         return s

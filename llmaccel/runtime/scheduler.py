@@ -20,7 +20,7 @@ class Scheduler:
         self.bm = bm
         self.max_num_seqs, self.max_batched = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.capacity = bm.num_blocks * bm.block_size
+        self.capacity = bm.capacity
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -32,7 +32,7 @@ class Scheduler:
         if n >= self.max_model_len:
             return (f"the prompt has {n} tokens; the model context is {self.max_model_len} "
                     f"(prompt plus at least one new token must fit)")
-        if n > self.capacity:
+        if not self.bm.holds(n, n):
             return f"the prompt has {n} tokens; the whole KV cache holds {self.capacity}"
         return None
 
@@ -54,16 +54,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def _room(self, seq: Sequence) -> int:
-        """Tokens the sequence could feed now with its own blocks plus all free ones."""
-        return (len(seq.block_table) + self.bm.num_free) * self.bm.block_size - seq.num_computed
-
     def _fit(self, seq: Sequence, q: int) -> bool:
         end = seq.num_computed + q
         if not self.bm.can_grow(seq, end):
             return False
         self.bm.grow(seq, end)
         return self.bm.make_writable(seq, seq.num_computed, end)
+
+    def _chunk(self, seq: Sequence, q: int) -> int:
+        """q shortened so that a chunk that stops short of the end ends on a multiple of the
+        block manager's chunk unit (KIVI: a quantization group); may become 0."""
+        end = seq.num_computed + q
+        if end < len(seq.token_ids):
+            q -= end % self.bm.chunk_unit
+        return max(0, q)
 
     def _spec_k(self, seq: Sequence) -> int:
         left = seq.params.max_tokens - seq.n_output - 1
@@ -73,11 +77,12 @@ class Scheduler:
         """Returns ([(sequence, tokens to feed)] with single tokens first, [sequences that
         cannot fit even alone in the cache and so end with finish_reason 'length'])."""
         budget, batch, too_long = self.max_batched, [], []
+        unit = self.bm.chunk_unit
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = len(seq.token_ids) - seq.num_computed
-            if len(seq.token_ids) > self.capacity:
+            if not self.bm.holds(len(seq.token_ids), seq.n_prompt):
                 self.running.pop(i)
                 self.bm.free_seq(seq)
                 too_long.append(seq)
@@ -85,7 +90,10 @@ class Scheduler:
             if remaining == 1:
                 q = 1 + min(self._spec_k(seq), budget - 1)
             else:  # a prefill chunk shrinks to the blocks there are before anyone is preempted
-                q = min(remaining, budget, max(1, self._room(seq)))
+                q = self._chunk(seq, min(remaining, budget, max(unit, self.bm.room(seq))))
+                if q == 0:  # no group-aligned chunk fits the budget left; its turn comes next step
+                    i += 1
+                    continue
             while not self._fit(seq, q):
                 if q > 1 and remaining == 1:
                     q = 1  # drop the speculation before preempting anyone
@@ -102,7 +110,7 @@ class Scheduler:
             break
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if len(seq.token_ids) > self.capacity:
+            if not self.bm.holds(len(seq.token_ids), seq.n_prompt):
                 self.waiting.popleft()
                 too_long.append(seq)
                 continue
@@ -110,12 +118,11 @@ class Scheduler:
                 seq.num_computed = self.bm.match_prefix(seq)
             remaining = len(seq.token_ids) - seq.num_computed
             # Admit only when the whole remaining prompt fits now, so it is not preempted at once.
-            if self.bm.blocks_for(len(seq.token_ids)) - len(seq.block_table) > self.bm.num_free:
+            q = self._chunk(seq, min(remaining, budget))
+            if q == 0 or not self.bm.can_grow(seq, len(seq.token_ids)) or not self._fit(seq, q):
                 self.bm.free_seq(seq)
                 seq.num_computed = 0
                 break
-            q = min(remaining, budget)
-            self._fit(seq, q)
             self.waiting.popleft()
             self.running.append(seq)
             batch.append((seq, q))

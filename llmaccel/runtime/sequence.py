@@ -45,6 +45,10 @@ class Sequence:
         self.draft_computed = 0  # tokens in the draft model's own cache (separate draft only)
         self.block_table: list[int] = []
         self.hashed_blocks = 0
+        # KIVI cache only (kivi_blocks.py): leading packed blocks of the table now and before
+        # this step, and the fp blocks whose tokens this step quantizes (logical index -> id).
+        self.kivi_nq = self.kivi_q0 = 0
+        self.kivi_fp_old: dict[int, int] = {}
         self.spec_k = spec_k
         self.finish_reason: str | None = None
         self.error: str | None = None
