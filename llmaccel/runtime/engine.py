@@ -139,7 +139,9 @@ class LLM:
         if str(self.device).startswith("cuda"):
             total = torch.cuda.get_device_properties(self.device).total_memory
             headroom = (2 << 30) + max_batched * self.cfg.intermediate_size * 16
-            budget = int(total * fraction) - torch.cuda.memory_reserved(self.device) - headroom
+            # allocated, not reserved: memory a previous engine freed is still reserved by the
+            # caching allocator but is reusable by this cache
+            budget = int(total * fraction) - torch.cuda.memory_allocated(self.device) - headroom
             if budget < bpt:
                 raise LlmaccelError(f"no GPU memory left for the KV cache ({budget / 2**30:.1f} GiB "
                                     f"budget); lower max_num_batched_tokens or raise the fraction")
