@@ -1,11 +1,22 @@
 """Triton kernels for linear_int8 / linear_int4 (weights dequantized in registers).
 
-Two paths per op: a GEMV for decode (M <= 16 rows), where the weight bytes dominate and each
-program streams BLOCK_N weight rows along K (coalesced: a row's bytes are contiguous in the
-MatMulNBits layout), optionally split along K with fp32 atomics so that small N still fills
-the GPU; and a GEMM for prefill, tl.dot on tiles dequantized on the fly.
-int4 bytes hold columns 2j (low nibble) and 2j+1 (high nibble): instead of interleaving the
-nibbles the kernels read x's even and odd columns and do two half-width products.
+Decode (M <= 16 rows) is bound by the weight bytes, so the GEMV kernels are built to stream them:
+  * weights are read as int32 words (8 int4 codes or 4 int8 codes per load, 16-byte vectors per
+    thread), coalesced: a row's bytes are contiguous in the MatMulNBits layout;
+  * codes become fp32 without an int->float conversion instruction (those issue at 1/8 of the
+    FMA rate on Hopper and would cap the kernel near half the bandwidth): the masked code is
+    ORed, in place, into the mantissa of 2^23 and one exact FMA removes the magic and the
+    in-place shift. 8 codes per word, then tl.join + reshape restores column order (or, with
+    UNPACK=1, the matching x columns are read with a stride of 8 instead);
+  * int4 scales and zero points are applied once per (row, group), not per weight:
+    y += s * (sum_k q x - z * sum_k x);
+  * one launch writes the output in x's dtype with the bias (no memset, no cast kernel), unless
+    SPLIT_K > 1, where fp32 partials are added atomically (only for few rows and long K);
+  * every program processes all M rows for its weight tile, so weights are read once per step.
+A second int4 kernel dequantizes tiles to x's dtype and uses tl.dot (M padded to 16): the prefill
+path, and an option for decode batches where the FMA count of the GEMV grows with M.
+Tile choices: `TUNED` (pasted from `scripts/gpu_quant_bench.py --sweep` on the H200), else a
+heuristic. No autotuning at call time (it would also run under the CPU interpreter).
 
 Registered as torch.library custom ops llmaccel::linear_int8 / llmaccel::linear_int4: the CPU
 (and any non-CUDA) implementation is the reference in llmaccel/ops/quant.py, CUDA runs Triton.
@@ -29,105 +40,277 @@ GEMV_MAX_M = 16
 
 if triton is not None:
     @triton.jit
-    def _linear_int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KP, G, ZB,
-                                 K_SPLIT, stride_xm, GS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 ATOMIC: tl.constexpr):
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rj = tl.arange(0, BLOCK_K // 2)
-        n_ok = rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, K_SPLIT, BLOCK_K):
-            k0 = pid_k * K_SPLIT + kk
-            ke = k0 + 2 * rj                                     # even column of each byte
-            b = tl.load(qw_ptr + rn[:, None] * (KP // 2) + (k0 // 2 + rj)[None, :],
-                        mask=n_ok[:, None] & (ke < KP)[None, :], other=0)
-            g = ke // GS
-            s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=n_ok[:, None] & (g < G)[None, :],
-                        other=0.0).to(tl.float32)
-            zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :],
-                         mask=n_ok[:, None] & (g < G)[None, :], other=0)
-            z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-            w_lo = ((b & 0xF).to(tl.float32) - z) * s
-            w_hi = ((b >> 4).to(tl.float32) - z) * s
-            xm = (rm < M)[:, None]
-            xe = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :], mask=xm & (ke < K)[None, :],
-                         other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + rm[:, None] * stride_xm + (ke + 1)[None, :],
-                         mask=xm & (ke + 1 < K)[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(xe[:, None, :] * w_lo[None, :, :] + xo[:, None, :] * w_hi[None, :, :], axis=2)
-        o = out_ptr + rm[:, None] * N + rn[None, :]
-        om = (rm < M)[:, None] & n_ok[None, :]
-        if ATOMIC:
-            tl.atomic_add(o, acc, mask=om)
-        else:
-            tl.store(o, acc, mask=om)
+    def _nib(w, MASK: tl.constexpr, INV: tl.constexpr):
+        """The 4-bit field MASK of each word as an exact fp32 integer (MASK below bit 20)."""
+        v = ((w & MASK) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + field, exactly
+        return tl.fma(v, INV, -8388608.0 * INV)  # exact: one rounding of an exact integer
 
     @triton.jit
-    def _linear_int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KP, G, ZB,
-                                 stride_xm, GS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    def _byte(w, MASK: tl.constexpr, FLIP: tl.constexpr, INV: tl.constexpr):
+        """The signed int8 field MASK of each word as an exact fp32 integer: the XOR flips the
+        sign bit (q + 128 >= 0) and sets the magic exponent in one op."""
+        v = ((w & MASK) ^ FLIP).to(tl.float32, bitcast=True)
+        return tl.fma(v, INV, -(8388608.0 * INV + 128.0))
+
+    @triton.jit
+    def _int4_words(w):
+        """The 8 codes of each int32 word (column 8j + i in nibble i), as fp32."""
+        wh = w >> 12  # nibbles 5..7 would reach the exponent bits in place
+        n0 = _nib(w, 0xF, 1.0)
+        n1 = _nib(w, 0xF0, 0.0625)
+        n2 = _nib(w, 0xF00, 0.00390625)
+        n3 = _nib(w, 0xF000, 0.000244140625)
+        n4 = _nib(w, 0xF0000, 0.0000152587890625)
+        n5 = _nib(wh, 0xF00, 0.00390625)
+        n6 = _nib(wh, 0xF000, 0.000244140625)
+        n7 = _nib(wh, 0xF0000, 0.0000152587890625)
+        return n0, n1, n2, n3, n4, n5, n6, n7
+
+    @triton.jit
+    def _interleave8(n0, n1, n2, n3, n4, n5, n6, n7):
+        """(..., W) x 8 -> (..., W, 2, 2, 2) with element [c, b, a] = n[4c + 2b + a]: flattening
+        the last three dims puts the 8 codes of a word in column order."""
+        return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                       tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, G, ZB, GPS, stride_xm,
+                          GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr,
+                          UNPACK: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        rg = tl.arange(0, BLOCK_G)
+        rw = tl.arange(0, GS // 8)
+        rc = tl.arange(0, GS)
+        rm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        g_lo = pid_k * GPS
+        for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
+            g = g0 + rg
+            g_ok = g < G
+            nm = n_ok[:, None] & g_ok[None, :]
+            w = tl.load(w_ptr + rn[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
+                        + rw[None, None, :], mask=nm[:, :, None], other=0)
+            s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
+            zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
+            z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w)
+            if UNPACK == 0:
+                q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
+            for m in tl.static_range(ROWS):
+                if UNPACK == 0:
+                    xk = g[:, None] * GS + rc[None, :]
+                    if EVEN_K:
+                        xm = g_ok[:, None]
+                    else:
+                        xm = g_ok[:, None] & (xk < K)
+                    xv = tl.load(x_ptr + m * stride_xm + xk, mask=xm, other=0.0).to(tl.float32)
+                    d = tl.sum(q * xv[None, :, :], axis=2)
+                    xs = tl.sum(xv, axis=1)
+                else:  # x columns 8j + i read with stride 8 next to nibble i of word j
+                    xk = g[:, None] * GS + 8 * rw[None, :]
+                    xp = x_ptr + m * stride_xm + xk
+                    xm = g_ok[:, None] & (xk < K)
+                    x0 = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+                    x1 = tl.load(xp + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
+                    x2 = tl.load(xp + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
+                    x3 = tl.load(xp + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
+                    x4 = tl.load(xp + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
+                    x5 = tl.load(xp + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
+                    x6 = tl.load(xp + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
+                    x7 = tl.load(xp + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
+                    t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
+                        + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
+                    d = tl.sum(t, axis=2)
+                    xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)
+                part = tl.sum(s * (d - z * xs[None, :]), axis=1)
+                if ROWS == 1:
+                    acc += part[None, :]
+                else:
+                    acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
+        _epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
+
+    @triton.jit
+    def _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+        n_ok = rn < N
+        o = out_ptr + rm[:, None] * N + rn[None, :]
+        om = (rm < M)[:, None] & n_ok[None, :]
+        if ATOMIC:  # fp32 partials; the wrapper adds the bias and casts
+            tl.atomic_add(o, acc, mask=om)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=om)
+
+    @triton.jit
+    def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, ZB, GPS, stride_xm,
+                         GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rj = tl.arange(0, BLOCK_K // 2)
-        n_ok, m_ok = rn < N, rm < M
+        m_ok, n_ok = rm < M, rn < N
+        rg = tl.arange(0, BLOCK_G)
+        rw = tl.arange(0, GS // 8)
+        rk = tl.arange(0, BLOCK_G * GS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, KP, BLOCK_K):
-            ke = k0 + 2 * rj
-            b = tl.load(qw_ptr + rn[:, None] * (KP // 2) + (k0 // 2 + rj)[None, :],
-                        mask=n_ok[:, None] & (ke < KP)[None, :], other=0)
-            g = ke // GS
-            s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=n_ok[:, None] & (g < G)[None, :],
-                        other=0.0).to(tl.float32)
-            zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :],
-                         mask=n_ok[:, None] & (g < G)[None, :], other=0)
+        g_lo = pid_k * GPS
+        for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
+            g = g0 + rg
+            g_ok = g < G
+            nm = n_ok[:, None] & g_ok[None, :]
+            w = tl.load(w_ptr + rn[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
+                        + rw[None, None, :], mask=nm[:, :, None], other=0)
+            s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
+            zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
             z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-            xe = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :],
-                         mask=m_ok[:, None] & (ke < K)[None, :], other=0.0)
-            xo = tl.load(x_ptr + rm[:, None] * stride_xm + (ke + 1)[None, :],
-                         mask=m_ok[:, None] & (ke + 1 < K)[None, :], other=0.0)
-            w_lo = (((b & 0xF).to(tl.float32) - z) * s).to(xe.dtype)
-            w_hi = (((b >> 4).to(tl.float32) - z) * s).to(xe.dtype)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w)
+            q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
+            # rounded to x's dtype as the reference's dequantize_int4 does
+            wd = tl.reshape(tl.fma(q, s[:, :, None], -(z * s)[:, :, None]), (BLOCK_N, BLOCK_G * GS))
+            k = g0 * GS + rk
+            km = (k < G * GS) if EVEN_K else (k < K)
+            xv = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & km[None, :],
+                         other=0.0)
+            wd = wd.to(xv.dtype)
             if IEEE:  # fp32 inputs: no silent tf32
-                acc += tl.dot(xe, tl.trans(w_lo), input_precision="ieee")
-                acc += tl.dot(xo, tl.trans(w_hi), input_precision="ieee")
+                acc += tl.dot(xv, tl.trans(wd), input_precision="ieee")
             else:
-                acc += tl.dot(xe, tl.trans(w_lo))
-                acc += tl.dot(xo, tl.trans(w_hi))
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+                acc += tl.dot(xv, tl.trans(wd))
+        _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
 
     @triton.jit
-    def _linear_int8_gemv_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 ATOMIC: tl.constexpr):
+    def _int4_bf16_pairs(w, offz):
+        """PTX: q - z for the 8 codes of each word as exact bf16 integers, two per LOP3 (the code
+        ORed into the mantissa of 128.0) and one bf16x2 FMA adding offz = -(128 + z) twice.
+        Output i is column 8j + i."""
+        q = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, t3, u, k, m, one;
+            mov.b32 k, 0x000F000F;
+            mov.b32 m, 0x43004300;
+            mov.b32 one, 0x3F803F80;
+            lop3.b32 t0, $8, k, m, 0xEA;
+            shr.u32 u, $8, 4;
+            lop3.b32 t1, u, k, m, 0xEA;
+            shr.u32 u, $8, 8;
+            lop3.b32 t2, u, k, m, 0xEA;
+            shr.u32 u, $8, 12;
+            lop3.b32 t3, u, k, m, 0xEA;
+            fma.rn.bf16x2 t0, t0, one, $9;
+            fma.rn.bf16x2 t1, t1, one, $9;
+            fma.rn.bf16x2 t2, t2, one, $9;
+            fma.rn.bf16x2 t3, t3, one, $9;
+            mov.b32 {$0, $4}, t0;
+            mov.b32 {$1, $5}, t1;
+            mov.b32 {$2, $6}, t2;
+            mov.b32 {$3, $7}, t3;
+            }""",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, offz], dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        return (q[0].to(tl.bfloat16, bitcast=True), q[1].to(tl.bfloat16, bitcast=True),
+                q[2].to(tl.bfloat16, bitcast=True), q[3].to(tl.bfloat16, bitcast=True),
+                q[4].to(tl.bfloat16, bitcast=True), q[5].to(tl.bfloat16, bitcast=True),
+                q[6].to(tl.bfloat16, bitcast=True), q[7].to(tl.bfloat16, bitcast=True))
+
+    @triton.jit
+    def _int4_dot_asm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, ZB, GPS,
+                             stride_xm, GS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             ATOMIC: tl.constexpr, PREFETCH: tl.constexpr = False):
+        """bf16 x only (CUDA): q - z dequantized two codes per instruction (exact in bf16), tensor
+        cores multiply them by x, one group per dot, and the scale multiplies the [M, N] group
+        sums: y += s * dot(x, q - z). The dot's K order inside each word is the registers' order
+        [0, 4, 1, 5, 2, 6, 3, 7]; x is read in the same order."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < M, rn < N
+        rw = tl.arange(0, GS // 8)
+        rk = tl.arange(0, GS)
+        kperm = (rk // 8) * 8 + (rk % 8) // 2 + 4 * (rk % 2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        g_lo = pid_k * GPS
+        g_hi = tl.minimum(g_lo + GPS, G)
+        w_row = w_ptr + rn[:, None] * (G * (GS // 8)) + rw[None, :]
+        # PREFETCH: the next group's words are loaded before this group's math, twice the bytes
+        # in flight (the loads feed inline PTX, which Triton's pipeliner does not stage), at the
+        # cost of registers (fewer programs per SM) and address math
+        if PREFETCH:
+            w = tl.load(w_row + g_lo * (GS // 8), mask=n_ok[:, None] & (g_lo < g_hi), other=0)
+        for g in range(g_lo, g_hi):
+            if PREFETCH:
+                w_cur = w
+                w = tl.load(w_row + (g + 1) * (GS // 8), mask=n_ok[:, None] & (g + 1 < g_hi), other=0)
+            else:
+                w_cur = tl.load(w_row + g * (GS // 8), mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptr + rn * G + g, mask=n_ok, other=0.0).to(tl.float32)
+            zb = tl.load(z_ptr + rn * ZB + g // 2, mask=n_ok, other=0).to(tl.int32)
+            z = (zb >> ((g % 2) * 4)) & 0xF
+            offz = (z | (z << 16)) | -1023360256  # bf16x2 (-(128 + z), -(128 + z)): 0xC300C300 | z
+            offz = tl.broadcast_to(offz[:, None], w_cur.shape)
+            q0, q1, q2, q3, q4, q5, q6, q7 = _int4_bf16_pairs(w_cur, offz)
+            q = tl.reshape(tl.join(tl.join(tl.join(q0, q2), tl.join(q1, q3)),
+                                   tl.join(tl.join(q4, q6), tl.join(q5, q7))), (BLOCK_N, GS))
+            k = g * GS + kperm
+            km = (k < G * GS) if EVEN_K else (k < K)
+            xv = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & km[None, :],
+                         other=0.0)
+            acc += s[None, :] * tl.dot(xv, tl.trans(q))
+        _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
+
+    @triton.jit
+    def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, KW, WPS, stride_xm,
+                          ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, UNPACK: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
+        rw = tl.arange(0, BLOCK_W)
+        rk = tl.arange(0, BLOCK_W * 4)
+        rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, K_SPLIT, BLOCK_K):
-            k = pid_k * K_SPLIT + kk + rk
-            w = tl.load(qw_ptr + rn[:, None] * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :],
-                        other=0).to(tl.float32)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :],
-                        mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        w_lo = pid_k * WPS
+        for w0 in range(w_lo, w_lo + WPS, BLOCK_W):
+            wi = w0 + rw
+            w = tl.load(w_ptr + rn[:, None] * KW + wi[None, :], mask=n_ok[:, None] & (wi < KW)[None, :],
+                        other=0)
+            wh = w >> 16  # bytes 2, 3 would reach the exponent bits in place
+            b0 = _byte(w, 0xFF, 0x4B000080, 1.0)
+            b1 = _byte(w, 0xFF00, 0x4B008000, 0.00390625)
+            b2 = _byte(wh, 0xFF, 0x4B000080, 1.0)
+            b3 = _byte(wh, 0xFF00, 0x4B008000, 0.00390625)
+            if UNPACK == 0:
+                q = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_W * 4))
+            for m in tl.static_range(ROWS):
+                if UNPACK == 0:
+                    k = w0 * 4 + rk
+                    km = (k < KW * 4) if EVEN_K else (k < K)
+                    xv = tl.load(x_ptr + m * stride_xm + k, mask=km, other=0.0).to(tl.float32)
+                    part = tl.sum(q * xv[None, :], axis=1)
+                else:
+                    k = wi * 4
+                    xp = x_ptr + m * stride_xm + k
+                    x0 = tl.load(xp, mask=k < K, other=0.0).to(tl.float32)
+                    x1 = tl.load(xp + 1, mask=k + 1 < K, other=0.0).to(tl.float32)
+                    x2 = tl.load(xp + 2, mask=k + 2 < K, other=0.0).to(tl.float32)
+                    x3 = tl.load(xp + 3, mask=k + 3 < K, other=0.0).to(tl.float32)
+                    part = tl.sum(b0 * x0[None, :] + b1 * x1[None, :] + b2 * x2[None, :]
+                                  + b3 * x3[None, :], axis=1)
+                if ROWS == 1:
+                    acc += part[None, :]
+                else:
+                    acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
         acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        o = out_ptr + rm[:, None] * N + rn[None, :]
-        om = (rm < M)[:, None] & n_ok[None, :]
-        if ATOMIC:
-            tl.atomic_add(o, acc, mask=om)
-        else:
-            tl.store(o, acc, mask=om)
+        _epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
 
     @triton.jit
-    def _linear_int8_gemm_kernel(x_ptr, qw_ptr, s_ptr, out_ptr, M, N, K, stride_xm,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 IEEE: tl.constexpr):
+    def _int8_dot_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,75 +328,189 @@ if triton is not None:
             else:
                 acc += tl.dot(x, tl.trans(w))
         acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, False)
 
 
 # --- launch configuration ------------------------------------------------------------------------
 
+# Measured best tiles on the H200, keyed (op, N, K, group_size (0 for int8), batch bucket 1/4/16);
+# lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...] = ...") are pasted here.
+TUNED: dict = {}
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def gemv_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
-    """Tile sizes for the decode path: about 4 programs per SM, splitting K when N is small."""
-    bm = _pow2(M)
-    bn = max(4, 32 // bm)                     # keep BLOCK_M * BLOCK_N * BLOCK_K/2 in registers
-    bk = 256 if bm <= 2 else 128
-    split = 1
-    while triton_cdiv(N, bn) * split < 4 * n_sm and K // (split * 2) >= 4 * bk:
-        split *= 2
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4)
-
-
-def gemm_config(M: int, N: int, K: int) -> dict:
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    return dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _prep(x: torch.Tensor, N: int, split: int):
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    out = (torch.zeros if split > 1 else torch.empty)(M, N, device=x.device, dtype=torch.float32)
-    return x2, M, out
+def batch_bucket(M: int) -> int:
+    return 1 if M <= 1 else 4 if M <= 4 else 16
 
 
-def _finish(out, x, bias):
-    out = out.to(x.dtype)
-    if bias is not None:
-        out += bias.to(x.dtype)
+def _n_sm(device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _rows_for(row_words: int, N: int, n_sm: int, target_words: int = 2048) -> int:
+    """Rows per program: a tile of about target_words int32 words (8 KB), fewer rows while that
+    leaves under two programs per SM."""
+    bn = max(1, min(16, target_words // row_words))
+    bn = 1 << (bn.bit_length() - 1)
+    while bn > 1 and triton_cdiv(N, bn) < 2 * n_sm:
+        bn //= 2
+    return bn
+
+
+def _split_for(programs: int, steps: int, n_sm: int) -> int:
+    """Split K only when the row tiles alone leave most SMs idle (the split costs a memset and a
+    cast kernel)."""
+    split = 1
+    while programs * split < n_sm and steps // (2 * split) >= 1:
+        split *= 2
+    return split
+
+
+def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: bool = False) -> dict:
+    """Defaults chosen from sm_90 SASS of each variant (instructions per weight byte, registers,
+    no spills); TUNED holds what the H200 sweep measured. `asm`: bf16 on CUDA, where the
+    PTX-dequantizing tensor-core kernel (about 7-9 instructions per weight byte against 11 for
+    the fp32 GEMV) may be used."""
+    hit = TUNED.get(("int4", N, K, group_size, batch_bucket(M)))
+    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] != "gemv") and \
+            (asm or hit["kernel"] != "dotasm"):
+        return dict(hit)
+    G = triton_cdiv(K, group_size)
+    if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
+        bn, warps = (64, 2) if N <= 4096 else (128, 4)
+        split = _split_for(triton_cdiv(N, bn), G, n_sm)
+        return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
+                    num_warps=warps, num_stages=3)
+    if M > GEMV_MAX_M:  # prefill: tensor-core tiles
+        bm = 32 if M <= 32 else 64
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=64, BLOCK_G=max(1, 64 // group_size),
+                    num_warps=4, num_stages=3)
+    if M > 1:
+        # The GEMV's per-row reductions cost more than the weight bytes from 2 rows on; tl.dot
+        # with M padded to 16 dequantizes each code once whatever M is.
+        bn = 16 if N <= 4096 else 32
+        bg = max(1, min(_pow2(G), 256 // group_size))
+        split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
+        return dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=bg, SPLIT_K=split,
+                    num_warps=4, num_stages=3)
+    bg = min(_pow2(G), max(1, 1024 // group_size))
+    row_words = bg * group_size // 8
+    bn = _rows_for(row_words, N, n_sm)
+    split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
+    warps = max(1, min(8, bn * row_words // 512))  # 16 words (64 codes) per thread
+    return dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=bg, UNPACK=1, SPLIT_K=split, num_warps=warps)
+
+
+def int8_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
+    hit = TUNED.get(("int8", N, K, 0, batch_bucket(M)))
+    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] == "dot"):
+        return dict(hit)
+    if M > 2 or K % 4:
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        bn = 64 if M > GEMV_MAX_M else 16 if N <= 4096 else 32
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if M <= GEMV_MAX_M else 64,
+                    num_warps=4, num_stages=3)
+    kw = K // 4
+    bw = min(_pow2(kw), 256)
+    bn = _rows_for(bw, N, n_sm)
+    split = _split_for(triton_cdiv(N, bn), triton_cdiv(kw, bw), n_sm)
+    warps = max(1, min(8, bn * bw // 512))
+    return dict(kernel="gemv", BLOCK_N=bn, BLOCK_W=bw, UNPACK=0, SPLIT_K=split, num_warps=warps)
+
+
+# --- wrappers ------------------------------------------------------------------------------------
+
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    x2 = x.reshape(-1, K)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _out(M, N, x, split):
+    if split > 1:  # atomics need a zeroed fp32 buffer
+        return torch.zeros(M, N, device=x.device, dtype=torch.float32)
+    return torch.empty(M, N, device=x.device, dtype=x.dtype)
+
+
+def _finish(out, x, bias, split):
+    if split > 1:
+        out = out.to(x.dtype)
+        if bias is not None:
+            out += bias.to(x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _words(q: torch.Tensor) -> torch.Tensor:
+    """The codes as int32 words (N, bytes / 4), a view of the same storage."""
+    w = q.reshape(q.shape[0], -1)
+    if not w.is_contiguous() or w.data_ptr() % 16:  # a fresh copy is aligned (slow path)
+        w = w.clone(memory_format=torch.contiguous_format)
+    return w.view(torch.int32)
+
+
 def linear_int4_triton(x, qweight, scales, zeros, bias=None, *, group_size: int, config=None):
-    """Triton linear_int4; `config` overrides the tile choice (benchmarks)."""
+    """Triton linear_int4; `config` overrides the tile choice (benchmarks, tests)."""
     N, G, half = qweight.shape
     K = x.shape[-1]
-    if 2 * half != group_size or K > G * group_size or scales.shape != (N, G):
+    if 2 * half != group_size or group_size % 8 or K > G * group_size or scales.shape != (N, G):
         raise ValueError(f"linear_int4: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
                          f"group_size {group_size} and in_features {K} disagree")
-    M0 = x.numel() // K
-    gemv = M0 <= GEMV_MAX_M
-    cfg = dict(config or (gemv_config(M0, N, G * group_size) if gemv else gemm_config(M0, N, K)))
-    split = cfg.pop("SPLIT_K", 1) if gemv else 1
-    x2, M, out = _prep(x, N, split)
-    KP = G * group_size
-    common = (x2, qweight, scales, zeros, out, M, N, K, KP, G, zeros.shape[1])
-    if gemv:
-        k_split = triton_cdiv(triton_cdiv(KP, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    if M == 0:
+        return ref.linear_int4(x, qweight, scales, zeros, bias, group_size=group_size)
+    asm = x.dtype == torch.bfloat16 and x.is_cuda and not _ASM_FAILED
+    cfg = dict(config) if config is not None else \
+        int4_config(M, N, K, group_size, _n_sm(x.device), asm=asm)
+    if cfg.get("kernel") == "dotasm" and config is None:
+        try:
+            return _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_size, cfg)
+        except Exception:  # PTX this Triton/driver refuses: the pure-Triton kernels instead
+            _ASM_FAILED.append(True)
+            cfg = int4_config(M, N, K, group_size, _n_sm(x.device), asm=False)
+    return _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_size, cfg)
+
+
+_ASM_FAILED: list = []
+
+
+def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_size, cfg):
+    cfg = dict(cfg)
+    kernel = cfg.pop("kernel", "gemv")
+    if kernel == "gemv" and M > GEMV_MAX_M:
+        raise ValueError(f"linear_int4: the GEMV kernel takes at most {GEMV_MAX_M} rows, got {M}")
+    split = cfg.pop("SPLIT_K", 1)
+    gps = triton_cdiv(triton_cdiv(G, split), cfg["BLOCK_G"]) * cfg["BLOCK_G"]  # groups per split
+    split = triton_cdiv(G, gps)
+    out = _out(M, N, x, split)
+    has_bias = bias is not None and split == 1
+    args = (x2, _words(qweight), scales.contiguous(), zeros.contiguous(), bias if has_bias else out, out)
+    flags = dict(GS=group_size, EVEN_K=K == G * group_size, HAS_BIAS=has_bias, ATOMIC=split > 1)
+    if kernel == "gemv":
         grid = (triton_cdiv(N, cfg["BLOCK_N"]), split)
-        _linear_int4_gemv_kernel[grid](*common, k_split, x2.stride(0), GS=group_size,
-                                       ATOMIC=split > 1, **cfg)
+        _int4_gemv_kernel[grid](*args, N, K, G, zeros.shape[1], gps, x2.stride(0), ROWS=M,
+                                BLOCK_M=_pow2(M), **flags, **cfg)
+    elif kernel == "dotasm":  # bf16 on CUDA only: inline PTX
+        if x.dtype != torch.bfloat16 or not x.is_cuda:
+            raise ValueError("linear_int4: the dotasm kernel takes bf16 CUDA inputs")
+        cfg.pop("UNPACK", None)
+        cfg.pop("BLOCK_G", None)
+        grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split)
+        _int4_dot_asm_kernel[grid](*args, M, N, K, G, zeros.shape[1], gps, x2.stride(0), **flags, **cfg)
     else:
-        grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]))
-        _linear_int4_gemm_kernel[grid](*common, x2.stride(0), GS=group_size,
-                                       IEEE=x.dtype == torch.float32, **cfg)
-    return _finish(out, x, bias)
+        cfg.pop("UNPACK", None)
+        grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split)
+        _int4_dot_kernel[grid](*args, M, N, K, G, zeros.shape[1], gps, x2.stride(0),
+                               IEEE=x.dtype == torch.float32, **flags, **cfg)
+    return _finish(out, x, bias, split)
 
 
 def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):
@@ -221,22 +518,34 @@ def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):
     if x.shape[-1] != K or scales.shape != (N,):
         raise ValueError(f"linear_int8: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
                          f"and in_features {x.shape[-1]} disagree")
-    M0 = x.numel() // K
-    gemv = M0 <= GEMV_MAX_M
-    cfg = dict(config or (gemv_config(M0, N, K) if gemv else gemm_config(M0, N, K)))
-    split = cfg.pop("SPLIT_K", 1) if gemv else 1
-    x2, M, out = _prep(x, N, split)
-    if gemv:
-        cfg["BLOCK_K"] *= 2  # one byte per weight: twice the columns for the same bytes
-        k_split = triton_cdiv(triton_cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        grid = (triton_cdiv(N, cfg["BLOCK_N"]), split)
-        _linear_int8_gemv_kernel[grid](x2, qweight, scales, out, M, N, K, k_split, x2.stride(0),
-                                       ATOMIC=split > 1, **cfg)
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    if M == 0:
+        return ref.linear_int8(x, qweight, scales, bias)
+    cfg = dict(config) if config is not None else int8_config(M, N, K, _n_sm(x.device))
+    kernel = cfg.pop("kernel", "gemv")
+    if kernel == "gemv" and (M > GEMV_MAX_M or K % 4):
+        kernel, cfg = "dot", {k: v for k, v in int8_config(max(M, GEMV_MAX_M + 1), N, K).items()
+                              if k != "kernel"}
+    split = cfg.pop("SPLIT_K", 1) if kernel == "gemv" else 1
+    scales = scales.contiguous()
+    if kernel == "gemv":
+        kw = K // 4
+        wps = triton_cdiv(triton_cdiv(kw, split), cfg["BLOCK_W"]) * cfg["BLOCK_W"]  # words per split
+        split = triton_cdiv(kw, wps)
+        out = _out(M, N, x, split)
+        has_bias = bias is not None and split == 1
+        _int8_gemv_kernel[(triton_cdiv(N, cfg["BLOCK_N"]), split)](
+            x2, _words(qweight), scales, bias if has_bias else out, out, N, K, kw, wps, x2.stride(0),
+            ROWS=M, BLOCK_M=_pow2(M), EVEN_K=True, HAS_BIAS=has_bias, ATOMIC=split > 1, **cfg)
     else:
+        cfg.pop("UNPACK", None)
+        out = _out(M, N, x, 1)
+        has_bias = bias is not None
         grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]))
-        _linear_int8_gemm_kernel[grid](x2, qweight, scales, out, M, N, K, x2.stride(0),
-                                       IEEE=x.dtype == torch.float32, **cfg)
-    return _finish(out, x, bias)
+        _int8_dot_kernel[grid](x2, qweight.contiguous(), scales, bias if has_bias else out, out, M, N, K,
+                               x2.stride(0), IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias, **cfg)
+    return _finish(out, x, bias, split)
 
 
 # --- custom ops: CPU = reference, CUDA = Triton ---------------------------------------------------

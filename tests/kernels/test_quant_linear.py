@@ -1,9 +1,12 @@
 """linear_int4 / linear_int8 Triton kernels against the reference ops.
 
 CPU: the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported) at small shapes,
-fp32 and fp16 inputs (the interpreter mishandles bf16 in tl.dot). Tolerances: fp32 1e-4 of the
-output scale (accumulation order); fp16/bf16 2e-2 relative (output rounding and fp16 dot
-inputs). GPU tests run the real kernels at Llama-1B shapes.
+fp32 and fp16 inputs (the interpreter mishandles bf16 in tl.dot), every kernel variant through
+explicit tile configs (odd N, K a multiple of the group or not, batch 1..16, split-K) and the
+default configs. Reference: dequantize in fp32, then matmul in fp32. Tolerances, as a fraction of
+the largest |output|: fp32 1e-4 (accumulation order); fp16/bf16 2e-2 (output rounding, and the
+dot path's weights rounded to x's dtype as the reference's dequantize does). GPU tests run the
+real kernels at Llama-3.2-1B shapes in bf16.
 """
 import os
 
@@ -18,7 +21,7 @@ from llmaccel.ops import quant as qo  # noqa: E402
 
 ql_mod = pytest.importorskip("llmaccel.kernels.quant_linear")
 INTERPRETED = ql_mod.triton is not None and \
-    type(ql_mod._linear_int4_gemv_kernel).__name__ == "InterpretedFunction"
+    type(ql_mod._int4_gemv_kernel).__name__ == "InterpretedFunction"
 
 
 @pytest.fixture(scope="module")
@@ -36,46 +39,84 @@ def int4_weights(N, K, gs, dtype=torch.float32, device="cpu"):
     return qw, sc, zr
 
 
+def int8_weights(N, K, dtype=torch.float32, device="cpu"):
+    q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
+    return q8, (torch.rand(N, device=device) * 0.01 + 0.001).to(dtype)
+
+
 def close(out, ref, dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * ref.float().abs().max().item() + 1e-6, (err, ref.abs().max().item())
 
 
-# (M, N, K, group_size): decode-sized M takes the GEMV path, larger M the GEMM path;
-# K not a multiple of group_size exercises the zero-padded last group.
-SHAPES = [(1, 48, 128, 32), (3, 40, 200, 64), (16, 24, 96, 32), (20, 36, 160, 128), (33, 65, 64, 64)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,N,K,gs", SHAPES)
-def test_int4_interpreter(ql, M, N, K, gs, dtype):
+def check_int4(ql, M, N, K, gs, dtype, cfg, bias=True):
     qw, sc, zr = int4_weights(N, K, gs, dtype)
-    x, b = torch.randn(M, K).to(dtype), torch.randn(N).to(dtype)
-    out = ql.linear_int4_triton(x, qw, sc, zr, b, group_size=gs)
-    ref = qo.linear_int4(x.float(), qw, sc.float(), zr, b.float(), group_size=gs)
+    x = torch.randn(M, K).to(dtype)
+    b = torch.randn(N).to(dtype) if bias else None
+    out = ql.linear_int4_triton(x, qw, sc, zr, b, group_size=gs, config=cfg)
+    ref = qo.linear_int4(x.float(), qw, sc.float(), zr, None if b is None else b.float(), group_size=gs)
     assert out.dtype == dtype and out.shape == (M, N)
     close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,N,K,gs", SHAPES[:3])
-def test_int8_interpreter(ql, M, N, K, gs, dtype):
-    q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8)
-    s8 = (torch.rand(N) * 0.01).to(dtype)
-    x = torch.randn(2, (M + 1) // 2, K).to(dtype)           # leading dims are flattened
-    out = ql.linear_int8_triton(x, q8, s8)
-    close(out, qo.linear_int8(x.float(), q8, s8.float()), dtype)
+GEMV4 = dict(kernel="gemv", BLOCK_N=8, BLOCK_G=2, SPLIT_K=1, num_warps=1)
 
 
-def test_split_k_gemv_interpreter(ql):
-    qw, sc, zr = int4_weights(20, 512, 64)
-    x = torch.randn(2, 512)
-    cfg = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=64, SPLIT_K=4, num_warps=4)
-    out = ql.linear_int4_triton(x, qw, sc, zr, group_size=64, config=cfg)
+@pytest.mark.parametrize("unpack", [0, 1])
+@pytest.mark.parametrize("M,dtype", [(1, torch.float32), (1, torch.float16), (3, torch.float16),
+                                     (16, torch.float32)])
+def test_int4_gemv_interpreter(ql, M, dtype, unpack):
+    check_int4(ql, M, 37, 128 if M > 4 else 256, 64, dtype, dict(GEMV4, UNPACK=unpack))
+
+
+@pytest.mark.parametrize("K,gs,split,unpack", [(200, 64, 1, 0), (200, 64, 1, 1), (96, 32, 2, 0),
+                                               (512, 128, 4, 1)])
+def test_int4_gemv_padded_and_split_interpreter(ql, K, gs, split, unpack):
+    # K = 200 with groups of 64: the last group is zero-padded; split-K adds fp32 partials
+    check_int4(ql, 2, 21, K, gs, torch.float32, dict(GEMV4, BLOCK_G=1, UNPACK=unpack, SPLIT_K=split))
+
+
+@pytest.mark.parametrize("M,K,gs,split,dtype", [(2, 256, 32, 1, torch.float16),
+                                                (5, 200, 64, 2, torch.float32),
+                                                (20, 256, 128, 1, torch.float32),
+                                                (16, 256, 128, 1, torch.float16)])
+def test_int4_dot_interpreter(ql, M, K, gs, split, dtype):
+    cfg = dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_G=2, SPLIT_K=split, num_warps=4)
+    check_int4(ql, M, 37, K, gs, dtype, cfg)
+
+
+@pytest.mark.parametrize("M", [1, 4, 33])
+def test_int4_default_config_interpreter(ql, M):
+    x = torch.randn(2, (M + 1) // 2, 128)                    # leading dims are flattened
+    qw, sc, zr = int4_weights(20, 128, 64)
+    out = ql.linear_int4_triton(x, qw, sc, zr, group_size=64)
+    assert out.shape == (2, (M + 1) // 2, 20)
     close(out, qo.linear_int4(x, qw, sc, zr, group_size=64), torch.float32)
-    q8, s8 = torch.randint(-127, 128, (20, 512), dtype=torch.int8), torch.rand(20) * 0.01
-    close(ql.linear_int8_triton(x, q8, s8, config=cfg), qo.linear_int8(x, q8, s8), torch.float32)
+
+
+GEMV8 = dict(kernel="gemv", BLOCK_N=8, BLOCK_W=16, SPLIT_K=1, num_warps=1)
+
+
+INT8_CFGS = [dict(GEMV8, UNPACK=0), dict(GEMV8, UNPACK=1), dict(GEMV8, UNPACK=1, SPLIT_K=2), None,
+             dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4)]
+
+
+@pytest.mark.parametrize("i", range(len(INT8_CFGS)))
+@pytest.mark.parametrize("M,K,dtype", [(1, 200, torch.float32), (3, 128, torch.float16),
+                                       (16, 72, torch.float32)])
+def test_int8_interpreter(ql, M, K, dtype, i):
+    q8, s8 = int8_weights(37, K, dtype)
+    x, b = torch.randn(M, K).to(dtype), torch.randn(37).to(dtype)
+    out = ql.linear_int8_triton(x, q8, s8, b, config=INT8_CFGS[i])
+    assert out.dtype == dtype and out.shape == (M, 37)
+    close(out, qo.linear_int8(x.float(), q8, s8.float(), b.float()), dtype)
+
+
+def test_int8_k_not_multiple_of_4_falls_back_to_dot(ql):
+    q8, s8 = int8_weights(9, 70)
+    x = torch.randn(2, 70)
+    close(ql.linear_int8_triton(x, q8, s8, config=GEMV8), qo.linear_int8(x, q8, s8), torch.float32)
 
 
 def test_custom_ops_on_cpu_are_the_reference(ql):
@@ -83,41 +124,77 @@ def test_custom_ops_on_cpu_are_the_reference(ql):
     x = torch.randn(3, 64)
     torch.testing.assert_close(torch.ops.llmaccel.linear_int4(x, qw, sc, zr, None, group_size=32),
                                qo.linear_int4(x, qw, sc, zr, group_size=32))
-    q8, s8 = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.rand(8)
+    q8, s8 = int8_weights(8, 64)
     torch.testing.assert_close(torch.ops.llmaccel.linear_int8(x, q8, s8, None), qo.linear_int8(x, q8, s8))
+
+
+def test_dotasm_needs_bf16_cuda(ql):
+    qw, sc, zr = int4_weights(16, 128, 128)
+    cfg = dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=16, BLOCK_G=1, num_warps=4)
+    with pytest.raises(ValueError, match="bf16 CUDA"):
+        ql.linear_int4_triton(torch.randn(1, 128), qw, sc, zr, group_size=128, config=cfg)
 
 
 def test_shape_mismatch_is_rejected(ql):
     qw, sc, zr = int4_weights(8, 64, 32)
     with pytest.raises(ValueError, match="disagree"):
         ql.linear_int4_triton(torch.randn(1, 96), qw, sc, zr, group_size=32)
+    with pytest.raises(ValueError, match="GEMV"):
+        ql.linear_int4_triton(torch.randn(17, 64), qw, sc, zr, group_size=32, config=GEMV4)
 
 
-# --- GPU, real shapes (Llama-3.2-1B: hidden 2048, intermediate 8192, vocab 128256) -----------------
+GPU_SHAPES = [(2048, 8192), (8192, 2048), (2048, 128256), (2048, 2048), (2048, 512)]   # (K, N)
 
-GPU_SHAPES = [(2048, 8192), (8192, 2048), (2048, 128256)]   # (K, N)
 
+def test_default_configs_are_launchable():
+    # tile sizes must be powers of two and the dot path needs tiles of at least 16
+    for K, N in GPU_SHAPES + [(576, 1536), (1536, 576)]:
+        for M in (1, 2, 4, 9, 16, 17, 512):
+            for cfg in (ql_mod.int4_config(M, N, K, 128), ql_mod.int4_config(M, N, K, 128, asm=True),
+                        ql_mod.int8_config(M, N, K)):
+                blocks = [v for k, v in cfg.items() if k.startswith("BLOCK")]
+                assert all(b & (b - 1) == 0 for b in blocks), cfg
+                assert cfg["kernel"] != "gemv" or M <= ql_mod.GEMV_MAX_M
+                if cfg["kernel"] != "gemv":
+                    assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_N"] >= 16, cfg
+
+
+# --- GPU, real shapes (Llama-3.2-1B: hidden 2048, intermediate 8192, vocab 128256, k/v 512) -------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 4, 16, 64, 512])
+@pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 512])
 @pytest.mark.parametrize("K,N", GPU_SHAPES)
 def test_int4_cuda(M, K, N):
-    from llmaccel.kernels import quant_linear as ql
-
     qw, sc, zr = int4_weights(N, K, 128, torch.bfloat16, "cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    out = torch.ops.llmaccel.linear_int4(x, qw, sc, zr, None, group_size=128)
-    ref = qo.linear_int4(x.float(), qw, sc.float(), zr, group_size=128)
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = torch.ops.llmaccel.linear_int4(x, qw, sc, zr, b, group_size=128)
+    ref = qo.linear_int4(x.float(), qw, sc.float(), zr, b.float(), group_size=128)
     close(out, ref, torch.bfloat16)
-    assert ql.triton is not None
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 16, 512])
+@pytest.mark.parametrize("cfg", [dict(kernel="gemv", BLOCK_N=8, BLOCK_G=8, UNPACK=u, SPLIT_K=s, num_warps=w)
+                                 for u in (0, 1) for s in (1, 4) for w in (1, 4)]
+                         + [dict(kernel="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_G=g, SPLIT_K=s, num_warps=4,
+                                 num_stages=3) for g in (1, 2) for s in (1, 2)]
+                         + [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=s, num_warps=w,
+                                 num_stages=3, PREFETCH=pf)
+                            for bn, w in ((128, 4), (64, 2)) for s in (1, 4) for pf in (False, True)])
+@pytest.mark.parametrize("M,K", [(1, 2048), (3, 2048), (2, 200)])
+def test_int4_variants_cuda(cfg, M, K):
+    N = 2048   # K = 200: the last group of 128 zero-padded
+    qw, sc, zr = int4_weights(N, K, 128, torch.bfloat16, "cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    out = ql_mod.linear_int4_triton(x, qw, sc, zr, group_size=128, config=cfg)
+    close(out, qo.linear_int4(x.float(), qw, sc.float(), zr, group_size=128), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 2, 4, 16, 512])
 @pytest.mark.parametrize("K,N", GPU_SHAPES)
 def test_int8_cuda(M, K, N):
-    q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
-    s8 = (torch.rand(N, device="cuda") * 0.01).to(torch.bfloat16)
+    q8, s8 = int8_weights(N, K, torch.bfloat16, "cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     out = torch.ops.llmaccel.linear_int8(x, q8, s8, None)
     close(out, qo.linear_int8(x.float(), q8, s8.float()), torch.bfloat16)
