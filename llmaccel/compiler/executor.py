@@ -10,6 +10,7 @@ import torch
 
 from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.ops.kvquant import QuantizedKVCache, kv_quant_attention
+from llmaccel.ops.sla import LinearAttentionCache, linear_attention
 from llmaccel.runtime.sampler import SamplingParams, sample
 
 
@@ -21,6 +22,8 @@ def kv_quant_specs(gm: torch.fx.GraphModule) -> dict[int, dict]:
 
 def make_cache(gm: torch.fx.GraphModule, batch: int, max_len: int, dtype: torch.dtype, device="cpu"):
     """The attention context this graph needs: quantized if its attention nodes say so."""
+    if any(n.op == "call_function" and n.target is linear_attention for n in gm.graph.nodes):
+        return LinearAttentionCache(batch, max_len, dtype, device)  # sla: recurrent state, no KV
     specs = kv_quant_specs(gm)
     if specs:
         return QuantizedKVCache(batch, max_len, dtype, device, specs)

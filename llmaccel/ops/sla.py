@@ -1,0 +1,208 @@
+"""SLA (SLAB): simplified linear attention, the IR op and its constant-size recurrent cache.
+
+    out_t = phi(q_t) S_t / (phi(q_t) . z_t + eps) + DWC(v)_t,   phi = ReLU,
+    S_t = sum_{s<=t} phi(k_s)^T v_s,   z_t = sum_{s<=t} phi(k_s)
+
+per query head h, reading KV head h // (n_heads / n_kv_heads) (GQA). DWC is a causal depthwise
+1-D convolution over tokens: out[t, c] = sum_j w[c, j] * v[t - (K-1) + j, c] (tap K-1 is the
+current token), with v broadcast to the query heads first when the weight has n_heads * head_dim
+rows (one filter per query head; the pass's choice) or applied per KV channel when it has
+n_kv_heads * head_dim rows. The state math (S, z, the attention itself) runs in fp32 whatever the
+input dtype: S and z are sums over the whole history.
+
+With ctx None the op is the whole-sequence causal form, computed chunk by chunk (intra-chunk
+masked phi(q) phi(k)^T v plus the running state), differentiable for heal. With a context the
+op calls `ctx.linear_attend`: LinearAttentionCache keeps, per layer, S (B, Hkv, D, D), z (B, Hkv, D)
+and the last K-1 values, so a decode step costs the same at any length.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from llmaccel.errors import LlmaccelError
+
+CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
+
+__all__ = ["linear_attention", "sla_forward", "LinearAttentionCache", "state_bytes"]
+
+
+def _init_state(B: int, Hkv: int, D: int, C: int, K: int, device, dtype):
+    S = torch.zeros(B, Hkv, D, D, device=device, dtype=torch.float32)
+    z = torch.zeros(B, Hkv, D, device=device, dtype=torch.float32)
+    tail = torch.zeros(B, K - 1, C, device=device, dtype=dtype)
+    return S, z, tail
+
+
+def _la_chunks(q, k, v, S, z, eps: float, chunk: int = CHUNK):
+    """Normalized causal linear attention from state (S, z). q (B, Hkv, G, T, D) and k, v
+    (B, Hkv, T, D) already feature-mapped, fp32. Returns (out (B, Hkv, G, T, D), S, z)."""
+    T = q.shape[-2]
+    outs = []
+    for s in range(0, T, chunk):
+        qc, kc, vc = q[..., s:s + chunk, :], k[:, :, None, s:s + chunk], v[:, :, None, s:s + chunk]
+        c = qc.shape[-2]
+        mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        A = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, 0.0)           # (B, Hkv, G, c, c)
+        num = A @ vc + qc @ S[:, :, None]
+        den = A.sum(-1, keepdim=True) + qc @ z[:, :, None, :, None]
+        outs.append(num / (den + eps))
+        S = S + kc[:, :, 0].transpose(-1, -2) @ vc[:, :, 0]
+        z = z + kc[:, :, 0].sum(-2)
+    return torch.cat(outs, -2), S, z
+
+
+def _expand_v(v: torch.Tensor, n_kv_heads: int, group: int, head_dim: int) -> torch.Tensor:
+    """(B, T, Hkv * D) -> (B, T, H * D): KV head j serves query heads j*G .. j*G + G - 1."""
+    B, T, _ = v.shape
+    if group == 1:
+        return v
+    return v.view(B, T, n_kv_heads, 1, head_dim).expand(B, T, n_kv_heads, group, head_dim).reshape(B, T, -1)
+
+
+def _dwconv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv of x (B, T, C) with w (C, K), after `tail` (B, K-1, C) of history."""
+    T, K = x.shape[1], w.shape[1]
+    xp = torch.cat([tail.to(x.dtype), x], 1)
+    out = xp[:, 0:T] * w[:, 0]
+    for j in range(1, K):
+        out = out + xp[:, j:j + T] * w[:, j]
+    return out
+
+
+def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim: int,
+                kernel_size: int, eps: float, state=None):
+    """The op's math from a recurrent state (None = empty). Returns (out, new state).
+
+    q (B, T, H*D), k and v (B, T, Hkv*D), conv_weight (H*D or Hkv*D, kernel_size).
+    state = (S (B, Hkv, D, D) fp32, z (B, Hkv, D) fp32, tail (B, K-1, Hkv*D) last values).
+    """
+    B, T, _ = q.shape
+    H, Hkv, D, K = n_heads, n_kv_heads, head_dim, kernel_size
+    if H % Hkv:
+        raise LlmaccelError(f"linear_attention: n_heads {H} is not a multiple of n_kv_heads {Hkv}")
+    G = H // Hkv
+    if conv_weight.shape[1] != K or conv_weight.shape[0] not in (H * D, Hkv * D):
+        raise LlmaccelError(f"linear_attention: conv_weight is {tuple(conv_weight.shape)}; expected "
+                            f"({H * D} or {Hkv * D}, {K})")
+    if state is None:
+        state = _init_state(B, Hkv, D, Hkv * D, K, q.device, v.dtype)
+    S, z, tail = state
+    qh = torch.relu(q.float()).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+    kh = torch.relu(k.float()).view(B, T, Hkv, D).transpose(1, 2)
+    vh = v.float().view(B, T, Hkv, D).transpose(1, 2)
+    o, S, z = _la_chunks(qh, kh, vh, S, z, eps)
+    o = o.permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+    vt = torch.cat([tail.to(v.dtype), v], 1)                        # (B, K-1+T, Hkv*D)
+    w = conv_weight.float()
+    if w.shape[0] == H * D:
+        conv = _dwconv(_expand_v(v.float(), Hkv, G, D), w, _expand_v(tail.float(), Hkv, G, D))
+    else:
+        conv = _expand_v(_dwconv(v.float(), w, tail.float()), Hkv, G, D)
+    new_tail = vt[:, vt.shape[1] - (K - 1):]
+    return (o + conv).to(q.dtype), (S, z, new_tail)
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx,
+                     conv_weight: torch.Tensor, *, layer: int, n_heads: int, n_kv_heads: int,
+                     head_dim: int, kernel_size: int, eps: float) -> torch.Tensor:
+    """SLA in place of `attention`, on (B, T, H * head_dim) inputs (see the module docstring).
+
+    ctx None: the whole-sequence causal form. Otherwise the context keeps this layer's recurrent
+    state (LinearAttentionCache, built by llmaccel.compiler.executor.make_cache).
+    """
+    kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+              kernel_size=kernel_size, eps=eps)
+    if ctx is None:
+        return sla_forward(q, k, v, conv_weight, **kw)[0]
+    attend = getattr(ctx, "linear_attend", None)
+    if attend is None:
+        raise LlmaccelError(f"layer {layer} is linear attention (sla) and needs a recurrent-state "
+                            f"context, not a KV cache; build it with llmaccel.compiler.executor.make_cache")
+    return attend(layer, q, k, v, conv_weight, **kw)
+
+
+torch.fx.wrap("linear_attention")
+
+
+def state_bytes(n_kv_heads: int, head_dim: int, kernel_size: int, dtype_bytes: int = 2) -> int:
+    """Recurrent state of one layer for one sequence: S and z in fp32, K-1 values in the model dtype."""
+    return n_kv_heads * (head_dim * head_dim + head_dim) * 4 + \
+        (kernel_size - 1) * n_kv_heads * head_dim * dtype_bytes
+
+
+class LinearAttentionCache:
+    """Attention context for sla graphs in the reference executor (ContiguousKVCache's protocol).
+
+    A forward of T tokens computes each layer's state after them from the committed state (so a
+    re-run of the same step recomputes it); `advance(T)` commits. `truncate(n)` (speculative
+    rollback) goes back inside the last `keep` steps by restoring the state before a step and
+    replaying its first tokens' keys and values; further back raises: a recurrent state cannot
+    forget tokens.
+    """
+
+    def __init__(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 keep: int = 2):
+        self.batch, self.max_len, self.dtype, self.device, self.keep = batch, max_len, dtype, device, keep
+        self.length = 0
+        self.state: dict[int, tuple] = {}
+        self._pending: dict[int, tuple] = {}    # layer -> (new state, state before, k, v, kwargs)
+        self._pending_len = 0
+        self._history: list[tuple[int, int, dict]] = []  # (start, tokens, layer -> (before, k, v, kw))
+
+    def linear_attend(self, layer, q, k, v, conv_weight, **kw):
+        T = q.shape[1]
+        if self.length + T > self.max_len:
+            raise ValueError(f"cache holds {self.max_len} tokens; {self.length + T} requested")
+        before = self.state.get(layer)
+        out, new = sla_forward(q, k, v, conv_weight, state=before, **kw)
+        self._pending[layer] = (new, before, k, v, kw)
+        self._pending_len = T
+        return out
+
+    def advance(self, n: int) -> None:
+        if self._pending and n != self._pending_len:
+            raise ValueError(f"advance({n}) after a forward of {self._pending_len} tokens")
+        step = {}
+        for layer, (new, before, k, v, kw) in self._pending.items():
+            self.state[layer] = new
+            step[layer] = (before, k, v, kw)
+        self._history = (self._history + [(self.length, n, step)])[-self.keep:]
+        self._pending.clear()
+        self.length += n
+
+    def truncate(self, n: int) -> None:
+        self._pending.clear()
+        if n == self.length:
+            return
+        if n > self.length:
+            raise ValueError(f"truncate({n}) beyond the {self.length} tokens held")
+        for i in range(len(self._history) - 1, -1, -1):
+            start, T, step = self._history[i]
+            if start <= n < start + T:
+                break
+        else:
+            raise LlmaccelError(f"linear attention (sla) keeps a recurrent state, not a KV cache: it "
+                                f"can roll back only within its last {self.keep} steps, not from "
+                                f"{self.length} to {n} tokens")
+        m = n - start
+        kept = {}
+        for layer, (before, k, v, kw) in step.items():
+            self.state[layer] = replay(before, k[:, :m], v[:, :m], **kw) if m else before
+            kept[layer] = (before, k[:, :m], v[:, :m], kw)
+            if before is None and not m:
+                del self.state[layer]
+        self._history = self._history[:i] + ([(start, m, kept)] if m else [])
+        self.length = n
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for st in self.state.values() for t in st)
+
+
+def replay(state, k, v, *, n_heads, n_kv_heads, head_dim, kernel_size, eps):
+    """The state after feeding k, v (B, m, Hkv*D) on top of `state` (None = empty)."""
+    B, m, _ = k.shape
+    q = k.new_zeros(B, m, n_heads * head_dim)  # outputs are discarded; only the state matters
+    w = k.new_zeros(n_kv_heads * head_dim, kernel_size)
+    return sla_forward(q, k, v, w, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                       kernel_size=kernel_size, eps=eps, state=state)[1]
