@@ -27,11 +27,11 @@ passes_of() {  # job -> pass list and options
     drelu) echo "relu --set relu.kind=drelu" ;;
     repbn) echo "repbn" ;;
     sla) echo "sla" ;;
-    bitlinear) echo "bitlinear" ;;
+    bitlinear) echo "bitlinear --set bitlinear.warmup=0.2" ;;
     *) echo "unknown job $1" >&2; return 1 ;;
   esac
 }
-lr_of() { case $1 in bitlinear|sla|repbn) echo 5e-4 ;; *) echo 2e-4 ;; esac; }
+lr_of() { case $1 in bitlinear) echo 1e-3 ;; sla|repbn) echo 5e-4 ;; gqa1) echo 3e-4 ;; *) echo 2e-4 ;; esac; }
 
 job() {
   local name=$1 spec passes

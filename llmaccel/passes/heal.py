@@ -28,6 +28,7 @@ from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.ir import is_op, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
+_MAX_WINDOWS = 4096
 
 
 @dataclass
@@ -159,7 +160,10 @@ class Heal(Pass):
     def _data(self, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         # seq_len + 1 tokens per window: the inputs and their next-token targets
-        windows = ctx.calib_tokens(c.steps * c.batch + c.eval_windows, c.seq_len + 1)
+        # Training cycles through the windows, so more than _MAX_WINDOWS distinct ones (more than
+        # a file's worth, or minutes of sampling for calib=self) are never asked for.
+        n_train = min(c.steps * c.batch, _MAX_WINDOWS)
+        windows = ctx.calib_tokens(n_train + c.eval_windows, c.seq_len + 1)
         if len(windows) < c.eval_windows + 1:
             raise LlmaccelError(f"heal: calibration text gives {len(windows)} windows of "
                                 f"{c.seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
