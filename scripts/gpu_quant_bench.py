@@ -12,6 +12,7 @@ bandwidth (the copy bandwidth measured in this run is printed too).
 Goal (issue 3): int4 at batch 1 >= 3x bf16 and >= 70% of copy bandwidth; int8 ~1.8x bf16.
 
 Usage: python scripts/gpu_quant_bench.py [--no-sweep] [--budget 130] [--batches 1,4,16]
+       [--ops int4,int8]   (short batch-1 int4 re-run: --batches 1 --budget 90 --ops int4)
 Prints the table last and `TUNED[...] = ...` lines for llmaccel/kernels/quant_linear.py; the full
 JSON goes to $OUT/quant_bench.json when OUT is set. Runs in under ~3 minutes on the H200 (the
 sweep stops at --budget seconds; batch 1 is swept first).
@@ -32,15 +33,63 @@ SHAPES = [(2048, 8192), (8192, 2048), (2048, 128256), (2048, 2048), (2048, 512)]
 ROTATE_BYTES = 128 << 20
 
 
-def int4_candidates(M: int, N: int) -> list:
+def gemv4(bn, bg, unpack, nw, split=1, stages=1) -> dict:
+    cfg = dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=bg, UNPACK=unpack, SPLIT_K=split, num_warps=nw)
+    return dict(cfg, STAGES=stages) if stages > 1 else cfg
+
+
+# best gemv tilings of run 1 (H200) at batch 1: (BLOCK_N, BLOCK_G, UNPACK, num_warps)
+GOOD_BS1 = [(4, 16, 0, 4), (16, 8, 1, 4), (8, 16, 0, 8), (8, 4, 0, 1), (4, 8, 1, 1)]
+
+
+def int4_bs1_candidates(N: int, K: int, gs: int, n_sm: int = 132) -> list:
+    """Batch 1, likeliest first. Run 1 left the long-K / few-program cases latency-bound (one
+    8 KB tile in flight per program, 1.3 waves), so: split-K (more programs, each fewer steps),
+    a pipelined K loop (STAGES: cp.async keeps STAGES - 1 tiles in flight), UNPACK=2 (zero point
+    folded into the dequantizing FMA, no per-step cross-thread reductions), and the tensor-core
+    kernel with small tiles (1-2 warps, many programs per SM)."""
+    G = -(-K // gs)
+    good = [(bn, min(bg, 1 << max(0, (G - 1).bit_length())), u, nw) for bn, bg, u, nw in GOOD_BS1]
+    out = [gemv4(*t) for t in good[:3]]
+    # XPERM: x loaded as vectors and permuted on chip, not gathered (sm_90 SASS: 5.9-6.6
+    # instructions per weight byte against 7.1-11.6 gathered, and x gets cp.async-pipelined)
+    # SERIAL: split-K in one launch (last program of a tile reduces), not memset + atomics + cast
+    out += [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split, num_warps=nw,
+                 num_stages=3, XPERM=True, **({"SERIAL": True} if split > 1 else {}))
+            for bn, nw in ((128, 4), (64, 2), (32, 1)) for split in (1, 2, 4, 8)
+            if split == 1 or N // bn < 2 * n_sm]
+    for bn, bg, u, nw in good:
+        for split in (2, 4, 8):
+            progs = -(-N // bn)
+            if G // (bg * split) >= 1 and progs < 4 * n_sm and progs * split <= 32 * n_sm:
+                out.append(dict(gemv4(bn, bg, u, nw, split), SERIAL=True))
+    for bn, bg, u, nw in good:
+        for split in (1, 2, 4):
+            if G // (bg * split) >= 4 and (split == 1 or -(-N // bn) < 4 * n_sm):
+                out.append(dict(gemv4(bn, bg, u, nw, split, stages=3),
+                                **({"SERIAL": True} if split > 1 else {})))
+    out += [gemv4(bn, bg, 2, nw) for bn, bg, _, nw in good]
+    out += [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split, num_warps=nw,
+                 num_stages=3, PREFETCH=False)
+            for bn, nw in ((32, 1), (64, 2), (128, 4), (64, 1)) for split in (1, 2, 4, 8)
+            if split == 1 or N // bn < 2 * n_sm]
+    out += [gemv4(bn, bg, u, nw, stages=4) for bn, bg, u, nw in good if G // bg >= 8]
+    out += [dict(c, SERIAL=False) for c in out if c.get("SERIAL")]   # the memset + atomics form
+    return out
+
+
+def int4_candidates(M: int, N: int, K: int = 2048, gs: int = 128) -> list:
     """Tilings to try, the likeliest first (fewest sm_90 instructions per weight byte without
     spills), so that the time budget cuts the least promising."""
     # bf16-only tensor-core kernel with PTX dequantization (fewest instructions per byte in
-    # sm_90 SASS: ~7 at BLOCK_N=128, 4 warps); few rows per program need split-K for small N
+    # sm_90 SASS: ~7 at BLOCK_N=128, 4 warps); few rows per program need split-K for small N.
+    # PREFETCH lost everywhere in run 1: last.
     asm = [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split, num_warps=nw,
                 num_stages=3, PREFETCH=pf)
            for pf in (False, True) for bn, nw in ((128, 4), (64, 2), (256, 8), (128, 8), (64, 4))
            for split in (1, 2, 4, 8) if split == 1 or N // bn < 264]
+    asm = [dict(c, XPERM=True) for c in asm if not c["PREFETCH"]] + \
+        [c for c in asm if not c["PREFETCH"]] + [c for c in asm if c["PREFETCH"]]
     out = []
     if M <= 4:
         for wpt in (16, 8):  # int32 words per thread
@@ -53,6 +102,9 @@ def int4_candidates(M: int, N: int) -> list:
                                             SPLIT_K=1, num_warps=nw))
         if N <= 2048:
             out[6:6] = [dict(c, SPLIT_K=s) for c in out[:6] for s in (2, 4)]
+    if M == 1:
+        first = int4_bs1_candidates(N, K, gs)
+        return first + [c for c in asm + out if c not in first]
     if M > 1:
         dots = []
         for bn in (16, 32, 64):
@@ -132,6 +184,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--budget", type=float, default=130.0, help="seconds for the whole sweep")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--ops", default="int4,int8", help="which ops to sweep (both are timed)")
     a = ap.parse_args()
     from llmaccel.kernels import quant_linear as ql
     from llmaccel.ops import quant as ref
@@ -195,10 +248,10 @@ def main() -> None:
             sweep4, sweep8 = [], []
             if not a.no_sweep:
                 for op, cands, call, exp, copies, sweep in (
-                        ("int4", int4_candidates(M, N), int4_call, exp4, c_int4, sweep4),
+                        ("int4", int4_candidates(M, N, K, gs), int4_call, exp4, c_int4, sweep4),
                         ("int8", int8_candidates(M, N), int8_call, exp8, c_int8, sweep8)):
                     for cfg in cands:
-                        if time.time() > deadline:
+                        if op not in a.ops.split(",") or time.time() > deadline:
                             break
                         try:
                             e = rel_err(call(cfg)(0)(), exp)

@@ -15,8 +15,9 @@ Decode (M <= 16 rows) is bound by the weight bytes, so the GEMV kernels are buil
   * every program processes all M rows for its weight tile, so weights are read once per step.
 A second int4 kernel dequantizes tiles to x's dtype and uses tl.dot (M padded to 16): the prefill
 path, and an option for decode batches where the FMA count of the GEMV grows with M.
-Tile choices: `TUNED` (pasted from `scripts/gpu_quant_bench.py --sweep` on the H200), else a
-heuristic. No autotuning at call time (it would also run under the CPU interpreter).
+Tile choices: quant_linear_configs.py (`TUNED`, measured on the H200 by
+`scripts/gpu_quant_bench.py`, else a heuristic). No autotuning at call time (it would also run
+under the CPU interpreter).
 
 Registered as torch.library custom ops llmaccel::linear_int8 / llmaccel::linear_int4: the CPU
 (and any non-CUDA) implementation is the reference in llmaccel/ops/quant.py, CUDA runs Triton.
@@ -27,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
+    GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config, triton_cdiv)
 from llmaccel.ops import quant as ref
 
 try:
@@ -35,15 +38,14 @@ try:
 except ImportError:  # the reference paths work without triton
     triton = None
 
-GEMV_MAX_M = 16
-
 
 if triton is not None:
     @triton.jit
-    def _nib(w, MASK: tl.constexpr, INV: tl.constexpr):
-        """The 4-bit field MASK of each word as an exact fp32 integer (MASK below bit 20)."""
+    def _nib(w, MASK: tl.constexpr, INV: tl.constexpr, z):
+        """The 4-bit field MASK of each word minus z (0.0, or the zero point broadcast to w) as an
+        exact fp32 integer (MASK below bit 20)."""
         v = ((w & MASK) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + field, exactly
-        return tl.fma(v, INV, -8388608.0 * INV)  # exact: one rounding of an exact integer
+        return tl.fma(v, INV, -8388608.0 * INV - z)  # exact: one rounding of an exact integer
 
     @triton.jit
     def _byte(w, MASK: tl.constexpr, FLIP: tl.constexpr, INV: tl.constexpr):
@@ -53,17 +55,18 @@ if triton is not None:
         return tl.fma(v, INV, -(8388608.0 * INV + 128.0))
 
     @triton.jit
-    def _int4_words(w):
-        """The 8 codes of each int32 word (column 8j + i in nibble i), as fp32."""
+    def _int4_words(w, z):
+        """The 8 codes of each int32 word (column 8j + i in nibble i) minus z, as fp32 (exact:
+        2^23 * 16^-i + z is an fp32 integer, so the FMA's addend is exact too)."""
         wh = w >> 12  # nibbles 5..7 would reach the exponent bits in place
-        n0 = _nib(w, 0xF, 1.0)
-        n1 = _nib(w, 0xF0, 0.0625)
-        n2 = _nib(w, 0xF00, 0.00390625)
-        n3 = _nib(w, 0xF000, 0.000244140625)
-        n4 = _nib(w, 0xF0000, 0.0000152587890625)
-        n5 = _nib(wh, 0xF00, 0.00390625)
-        n6 = _nib(wh, 0xF000, 0.000244140625)
-        n7 = _nib(wh, 0xF0000, 0.0000152587890625)
+        n0 = _nib(w, 0xF, 1.0, z)
+        n1 = _nib(w, 0xF0, 0.0625, z)
+        n2 = _nib(w, 0xF00, 0.00390625, z)
+        n3 = _nib(w, 0xF000, 0.000244140625, z)
+        n4 = _nib(w, 0xF0000, 0.0000152587890625, z)
+        n5 = _nib(wh, 0xF00, 0.00390625, z)
+        n6 = _nib(wh, 0xF000, 0.000244140625, z)
+        n7 = _nib(wh, 0xF0000, 0.0000152587890625, z)
         return n0, n1, n2, n3, n4, n5, n6, n7
 
     @triton.jit
@@ -74,10 +77,73 @@ if triton is not None:
                        tl.join(tl.join(n1, n5), tl.join(n3, n7)))
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, G, ZB, GPS, stride_xm,
-                          GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB, stride_xm, rn, n_ok,
+                        rg, rw, rc, rm, GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr, UNPACK: tl.constexpr):
+        """One K step of _int4_gemv_kernel: groups g0 .. g0 + BLOCK_G of rows rn."""
+        g = g0 + rg
+        g_ok = g < G
+        nm = n_ok[:, None] & g_ok[None, :]
+        w = tl.load(w_ptr + rn[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
+                    + rw[None, None, :], mask=nm[:, :, None], other=0)
+        s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
+        zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
+        z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+        if UNPACK == 2:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, z[:, :, None])
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, 0.0)
+        if UNPACK == 0:
+            q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
+        for m in tl.static_range(ROWS):
+            if UNPACK == 0:
+                xk = g[:, None] * GS + rc[None, :]
+                if EVEN_K:
+                    xm = g_ok[:, None]
+                else:
+                    xm = g_ok[:, None] & (xk < K)
+                xv = tl.load(x_ptr + m * stride_xm + xk, mask=xm, other=0.0).to(tl.float32)
+                d = tl.sum(q * xv[None, :, :], axis=2)
+                xs = tl.sum(xv, axis=1)
+            else:  # x columns 8j + i read with stride 8 next to nibble i of word j
+                xk = g[:, None] * GS + 8 * rw[None, :]
+                xp = x_ptr + m * stride_xm + xk
+                xm = g_ok[:, None] & (xk < K)
+                x0 = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+                x1 = tl.load(xp + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
+                x2 = tl.load(xp + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
+                x3 = tl.load(xp + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
+                x4 = tl.load(xp + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
+                x5 = tl.load(xp + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
+                x6 = tl.load(xp + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
+                x7 = tl.load(xp + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
+                t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
+                    + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
+                if UNPACK == 1:
+                    d = tl.sum(t, axis=2)
+                    xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)
+            if UNPACK == 2:
+                acc3 += s[:, :, None] * t
+            else:
+                part = tl.sum(s * (d - z * xs[None, :]), axis=1)
+                if ROWS == 1:
+                    acc += part[None, :]
+                else:
+                    acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
+        return acc, acc3
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, G, ZB,
+                          GPS, stride_xm, GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr,
-                          UNPACK: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+                          UNPACK: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                          STAGES: tl.constexpr = 1, SERIAL: tl.constexpr = False):
+        """STAGES > 1 pipelines the weight loads of the K loop (cp.async into shared memory,
+        STAGES - 1 tiles in flight ahead of the math): a long K loop per program then keeps
+        enough bytes in flight without more programs. UNPACK=2 (one row only): the zero point
+        is folded into the magic FMA (codes come out as q - z) and the partial sums stay
+        elementwise in registers, reduced across threads once after the loop instead of in every
+        step (no x sums either; x still reaches the weights' layout through shared memory)."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
@@ -86,51 +152,47 @@ if triton is not None:
         rc = tl.arange(0, GS)
         rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_G, GS // 8), dtype=tl.float32)
         g_lo = pid_k * GPS
-        for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
-            g = g0 + rg
-            g_ok = g < G
-            nm = n_ok[:, None] & g_ok[None, :]
-            w = tl.load(w_ptr + rn[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
-                        + rw[None, None, :], mask=nm[:, :, None], other=0)
-            s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
-            zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
-            z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w)
-            if UNPACK == 0:
-                q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
-            for m in tl.static_range(ROWS):
-                if UNPACK == 0:
-                    xk = g[:, None] * GS + rc[None, :]
-                    if EVEN_K:
-                        xm = g_ok[:, None]
-                    else:
-                        xm = g_ok[:, None] & (xk < K)
-                    xv = tl.load(x_ptr + m * stride_xm + xk, mask=xm, other=0.0).to(tl.float32)
-                    d = tl.sum(q * xv[None, :, :], axis=2)
-                    xs = tl.sum(xv, axis=1)
-                else:  # x columns 8j + i read with stride 8 next to nibble i of word j
-                    xk = g[:, None] * GS + 8 * rw[None, :]
-                    xp = x_ptr + m * stride_xm + xk
-                    xm = g_ok[:, None] & (xk < K)
-                    x0 = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-                    x1 = tl.load(xp + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
-                    x2 = tl.load(xp + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
-                    x3 = tl.load(xp + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
-                    x4 = tl.load(xp + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
-                    x5 = tl.load(xp + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
-                    x6 = tl.load(xp + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
-                    x7 = tl.load(xp + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
-                    t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
-                        + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
-                    d = tl.sum(t, axis=2)
-                    xs = tl.sum(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), axis=1)
-                part = tl.sum(s * (d - z * xs[None, :]), axis=1)
-                if ROWS == 1:
-                    acc += part[None, :]
-                else:
-                    acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
-        _epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
+        if STAGES > 1:
+            for g0 in tl.range(g_lo, g_lo + GPS, BLOCK_G, num_stages=STAGES):
+                acc, acc3 = _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB,
+                                            stride_xm, rn, n_ok, rg, rw, rc, rm, GS, ROWS, BLOCK_N,
+                                            BLOCK_G, EVEN_K, UNPACK)
+        else:
+            for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
+                acc, acc3 = _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB,
+                                            stride_xm, rn, n_ok, rg, rw, rc, rm, GS, ROWS, BLOCK_N,
+                                            BLOCK_G, EVEN_K, UNPACK)
+        if UNPACK == 2:
+            acc += tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
+        if SERIAL:
+            _epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, ROWS, N, pid_n, pid_k,
+                             tl.num_programs(1), HAS_BIAS)
+        else:
+            _epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
+
+    @triton.jit
+    def _epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, M, N, tile, pid_k, n_split,
+                         HAS_BIAS: tl.constexpr):
+        """Split-K in one launch (no memset, no cast kernel): every program stores its fp32
+        partial to ws[pid_k]; the last of a tile's programs to bump the tile's counter sums the
+        partials, adds the bias, writes x's dtype and re-zeroes the counter for the next call.
+        The barrier + acq_rel atomic order all threads' partial stores before the count and the
+        final loads (L2 only: .cg) after it."""
+        om = (rm < M)[:, None] & (rn < N)[None, :]
+        off = rm[:, None] * N + rn[None, :]
+        tl.store(ws_ptr + pid_k * M * N + off, acc, mask=om)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == n_split - 1:
+            tot = tl.zeros_like(acc)
+            for k in range(0, n_split):
+                tot += tl.load(ws_ptr + k * M * N + off, mask=om, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + off, tot.to(out_ptr.dtype.element_ty), mask=om)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
     @triton.jit
     def _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
@@ -167,7 +229,7 @@ if triton is not None:
             s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
             zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
             z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, 0.0)
             q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
             # rounded to x's dtype as the reference's dequantize_int4 does
             wd = tl.reshape(tl.fma(q, s[:, :, None], -(z * s)[:, :, None]), (BLOCK_N, BLOCK_G * GS))
@@ -216,10 +278,11 @@ if triton is not None:
                 q[6].to(tl.bfloat16, bitcast=True), q[7].to(tl.bfloat16, bitcast=True))
 
     @triton.jit
-    def _int4_dot_asm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, ZB, GPS,
-                             stride_xm, GS: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _int4_dot_asm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                             G, ZB, GPS, stride_xm, GS: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             ATOMIC: tl.constexpr, PREFETCH: tl.constexpr = False):
+                             ATOMIC: tl.constexpr, PREFETCH: tl.constexpr = False,
+                             XPERM: tl.constexpr = False, SERIAL: tl.constexpr = False):
         """bf16 x only (CUDA): q - z dequantized two codes per instruction (exact in bf16), tensor
         cores multiply them by x, one group per dot, and the scale multiplies the [M, N] group
         sums: y += s * dot(x, q - z). The dot's K order inside each word is the registers' order
@@ -254,12 +317,21 @@ if triton is not None:
             q0, q1, q2, q3, q4, q5, q6, q7 = _int4_bf16_pairs(w_cur, offz)
             q = tl.reshape(tl.join(tl.join(tl.join(q0, q2), tl.join(q1, q3)),
                                    tl.join(tl.join(q4, q6), tl.join(q5, q7))), (BLOCK_N, GS))
-            k = g * GS + kperm
+            # XPERM: x is loaded in column order (16-byte vectors) and permuted in registers /
+            # shared memory instead of gathered element by element
+            k = g * GS + (rk if XPERM else kperm)
             km = (k < G * GS) if EVEN_K else (k < K)
             xv = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & km[None, :],
                          other=0.0)
+            if XPERM:  # [.., 8j + 4a + b] -> [.., 8j + 2b + a]: the order kperm gathers
+                xv = tl.reshape(tl.permute(tl.reshape(xv, (BLOCK_M, GS // 8, 2, 4)), (0, 1, 3, 2)),
+                                (BLOCK_M, GS))
             acc += s[None, :] * tl.dot(xv, tl.trans(q))
-        _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
+        if SERIAL:
+            _epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, M, N,
+                             pid_m * tl.num_programs(1) + pid_n, pid_k, tl.num_programs(2), HAS_BIAS)
+        else:
+            _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
 
     @triton.jit
     def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, KW, WPS, stride_xm,
@@ -331,100 +403,12 @@ if triton is not None:
         _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, False)
 
 
-# --- launch configuration ------------------------------------------------------------------------
-
-# Measured best tiles on the H200, keyed (op, N, K, group_size (0 for int8), batch bucket 1/4/16);
-# lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...] = ...") are pasted here.
-TUNED: dict = {}
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def batch_bucket(M: int) -> int:
-    return 1 if M <= 1 else 4 if M <= 4 else 16
-
+# --- launch configuration: tables and heuristics in quant_linear_configs.py ------------------------
 
 def _n_sm(device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _rows_for(row_words: int, N: int, n_sm: int, target_words: int = 2048) -> int:
-    """Rows per program: a tile of about target_words int32 words (8 KB), fewer rows while that
-    leaves under two programs per SM."""
-    bn = max(1, min(16, target_words // row_words))
-    bn = 1 << (bn.bit_length() - 1)
-    while bn > 1 and triton_cdiv(N, bn) < 2 * n_sm:
-        bn //= 2
-    return bn
-
-
-def _split_for(programs: int, steps: int, n_sm: int) -> int:
-    """Split K only when the row tiles alone leave most SMs idle (the split costs a memset and a
-    cast kernel)."""
-    split = 1
-    while programs * split < n_sm and steps // (2 * split) >= 1:
-        split *= 2
-    return split
-
-
-def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: bool = False) -> dict:
-    """Defaults chosen from sm_90 SASS of each variant (instructions per weight byte, registers,
-    no spills); TUNED holds what the H200 sweep measured. `asm`: bf16 on CUDA, where the
-    PTX-dequantizing tensor-core kernel (about 7-9 instructions per weight byte against 11 for
-    the fp32 GEMV) may be used."""
-    hit = TUNED.get(("int4", N, K, group_size, batch_bucket(M)))
-    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] != "gemv") and \
-            (asm or hit["kernel"] != "dotasm"):
-        return dict(hit)
-    G = triton_cdiv(K, group_size)
-    if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
-        bn, warps = (64, 2) if N <= 4096 else (128, 4)
-        split = _split_for(triton_cdiv(N, bn), G, n_sm)
-        return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
-                    num_warps=warps, num_stages=3)
-    if M > GEMV_MAX_M:  # prefill: tensor-core tiles
-        bm = 32 if M <= 32 else 64
-        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=64, BLOCK_G=max(1, 64 // group_size),
-                    num_warps=4, num_stages=3)
-    if M > 1:
-        # The GEMV's per-row reductions cost more than the weight bytes from 2 rows on; tl.dot
-        # with M padded to 16 dequantizes each code once whatever M is.
-        bn = 16 if N <= 4096 else 32
-        bg = max(1, min(_pow2(G), 256 // group_size))
-        split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
-        return dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=bg, SPLIT_K=split,
-                    num_warps=4, num_stages=3)
-    bg = min(_pow2(G), max(1, 1024 // group_size))
-    row_words = bg * group_size // 8
-    bn = _rows_for(row_words, N, n_sm)
-    split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
-    warps = max(1, min(8, bn * row_words // 512))  # 16 words (64 codes) per thread
-    return dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=bg, UNPACK=1, SPLIT_K=split, num_warps=warps)
-
-
-def int8_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
-    hit = TUNED.get(("int8", N, K, 0, batch_bucket(M)))
-    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] == "dot"):
-        return dict(hit)
-    if M > 2 or K % 4:
-        bm = 16 if M <= 16 else 32 if M <= 32 else 64
-        bn = 64 if M > GEMV_MAX_M else 16 if N <= 4096 else 32
-        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if M <= GEMV_MAX_M else 64,
-                    num_warps=4, num_stages=3)
-    kw = K // 4
-    bw = min(_pow2(kw), 256)
-    bn = _rows_for(bw, N, n_sm)
-    split = _split_for(triton_cdiv(N, bn), triton_cdiv(kw, bw), n_sm)
-    warps = max(1, min(8, bn * bw // 512))
-    return dict(kernel="gemv", BLOCK_N=bn, BLOCK_W=bw, UNPACK=0, SPLIT_K=split, num_warps=warps)
 
 
 # --- wrappers ------------------------------------------------------------------------------------
@@ -490,13 +474,23 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
     split = cfg.pop("SPLIT_K", 1)
     gps = triton_cdiv(triton_cdiv(G, split), cfg["BLOCK_G"]) * cfg["BLOCK_G"]  # groups per split
     split = triton_cdiv(G, gps)
-    out = _out(M, N, x, split)
-    has_bias = bias is not None and split == 1
+    serial = cfg.pop("SERIAL", False) and split > 1 and kernel in ("gemv", "dotasm")
+    tiles = triton_cdiv(N, cfg["BLOCK_N"]) * (1 if kernel == "gemv" else triton_cdiv(M, cfg["BLOCK_M"]))
+    ws = _split_workspace(x.device, split * M * N, tiles) if serial else None
+    serial = ws is not None
+    out = _out(M, N, x, 1 if serial else split)
+    has_bias = bias is not None and (split == 1 or serial)
     args = (x2, _words(qweight), scales.contiguous(), zeros.contiguous(), bias if has_bias else out, out)
-    flags = dict(GS=group_size, EVEN_K=K == G * group_size, HAS_BIAS=has_bias, ATOMIC=split > 1)
+    flags = dict(GS=group_size, EVEN_K=K == G * group_size, HAS_BIAS=has_bias,
+                 ATOMIC=split > 1 and not serial)
+    if serial:
+        flags["SERIAL"] = True
+    ws = ws or (out, out)
     if kernel == "gemv":
+        if M > 1 and cfg.get("UNPACK") == 2:  # elementwise accumulators hold one row
+            cfg["UNPACK"] = 1
         grid = (triton_cdiv(N, cfg["BLOCK_N"]), split)
-        _int4_gemv_kernel[grid](*args, N, K, G, zeros.shape[1], gps, x2.stride(0), ROWS=M,
+        _int4_gemv_kernel[grid](*args, *ws, N, K, G, zeros.shape[1], gps, x2.stride(0), ROWS=M,
                                 BLOCK_M=_pow2(M), **flags, **cfg)
     elif kernel == "dotasm":  # bf16 on CUDA only: inline PTX
         if x.dtype != torch.bfloat16 or not x.is_cuda:
@@ -504,13 +498,34 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
         cfg.pop("UNPACK", None)
         cfg.pop("BLOCK_G", None)
         grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split)
-        _int4_dot_asm_kernel[grid](*args, M, N, K, G, zeros.shape[1], gps, x2.stride(0), **flags, **cfg)
+        _int4_dot_asm_kernel[grid](*args, *ws, M, N, K, G, zeros.shape[1], gps, x2.stride(0), **flags,
+                                   **cfg)
     else:
         cfg.pop("UNPACK", None)
         grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split)
         _int4_dot_kernel[grid](*args, M, N, K, G, zeros.shape[1], gps, x2.stride(0),
                                IEEE=x.dtype == torch.float32, **flags, **cfg)
-    return _finish(out, x, bias, split)
+    return _finish(out, x, bias, 1 if serial else split)
+
+
+_WORKSPACES: dict = {}
+
+
+def _split_workspace(device, n_partial: int, n_tiles: int):
+    """fp32 partials and zeroed tile counters for one-launch split-K, kept per (device, sizes):
+    the kernel leaves the counters at zero, so a buffer is reused by every later call, also by
+    CUDA graph replays (calls on one stream; concurrent streams would share the counters). None
+    while a graph is being captured and the buffer does not exist yet (the caller then takes the
+    memset + atomics path)."""
+    key = (str(device), n_partial, n_tiles)
+    hit = _WORKSPACES.get(key)
+    if hit is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        hit = (torch.empty(n_partial, device=device, dtype=torch.float32),
+               torch.zeros(n_tiles, device=device, dtype=torch.int32))
+        _WORKSPACES[key] = hit
+    return hit
 
 
 def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):

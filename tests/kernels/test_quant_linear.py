@@ -77,6 +77,26 @@ def test_int4_gemv_padded_and_split_interpreter(ql, K, gs, split, unpack):
     check_int4(ql, 2, 21, K, gs, torch.float32, dict(GEMV4, BLOCK_G=1, UNPACK=unpack, SPLIT_K=split))
 
 
+@pytest.mark.parametrize("M,K,gs,split,stages,dtype", [(1, 256, 64, 1, 1, torch.float32),
+                                                      (1, 200, 64, 2, 3, torch.float32),
+                                                      (1, 512, 64, 1, 3, torch.float16),
+                                                      (3, 256, 64, 1, 1, torch.float32)])
+def test_int4_gemv_unpack2_interpreter(ql, M, K, gs, split, stages, dtype):
+    # UNPACK=2: zero point folded into the dequantizing FMA, one row (M > 1 runs UNPACK=1)
+    cfg = dict(GEMV4, BLOCK_G=2, UNPACK=2, SPLIT_K=split, STAGES=stages)
+    check_int4(ql, M, 21, K, gs, dtype, cfg)
+
+
+@pytest.mark.parametrize("M,split,unpack", [(1, 2, 2), (3, 4, 1), (1, 3, 0)])
+def test_int4_gemv_serial_split_interpreter(ql, M, split, unpack):
+    # one-launch split-K: partials in a workspace, the last program of a tile sums them; the
+    # counters must be back at zero after a call, so a second call on the same buffers agrees
+    cfg = dict(GEMV4, BLOCK_G=1, UNPACK=unpack, SPLIT_K=split, SERIAL=True)
+    for _ in range(2):
+        check_int4(ql, M, 21, 256, 64, torch.float16, cfg)
+    assert all(int(c.abs().sum()) == 0 for _, c in ql._WORKSPACES.values())
+
+
 @pytest.mark.parametrize("M,K,gs,split,dtype", [(2, 256, 32, 1, torch.float16),
                                                 (5, 200, 64, 2, torch.float32),
                                                 (20, 256, 128, 1, torch.float32),
@@ -175,19 +195,29 @@ def test_int4_cuda(M, K, N):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg", [dict(kernel="gemv", BLOCK_N=8, BLOCK_G=8, UNPACK=u, SPLIT_K=s, num_warps=w)
-                                 for u in (0, 1) for s in (1, 4) for w in (1, 4)]
+                                 for u in (0, 1, 2) for s in (1, 4) for w in (1, 4)]
+                         + [dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=4, UNPACK=u, SPLIT_K=1, num_warps=w,
+                                 STAGES=3) for bn, w in ((8, 1), (16, 4)) for u in (0, 1, 2)]
                          + [dict(kernel="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_G=g, SPLIT_K=s, num_warps=4,
                                  num_stages=3) for g in (1, 2) for s in (1, 2)]
                          + [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=s, num_warps=w,
                                  num_stages=3, PREFETCH=pf)
-                            for bn, w in ((128, 4), (64, 2)) for s in (1, 4) for pf in (False, True)])
+                            for bn, w in ((128, 4), (64, 2)) for s in (1, 4) for pf in (False, True)]
+                         + [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=s, num_warps=w,
+                                 num_stages=3, XPERM=xp) for bn, w in ((32, 1), (64, 2), (128, 4))
+                            for s in (1, 4) for xp in (False, True)]
+                         + [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=64, BLOCK_G=1, SPLIT_K=s, num_warps=2,
+                                 num_stages=3, XPERM=True, SERIAL=True) for s in (2, 8)]
+                         + [dict(kernel="gemv", BLOCK_N=8, BLOCK_G=4, UNPACK=u, SPLIT_K=s, num_warps=1,
+                                 SERIAL=True) for u in (1, 2) for s in (2, 4)])
 @pytest.mark.parametrize("M,K", [(1, 2048), (3, 2048), (2, 200)])
 def test_int4_variants_cuda(cfg, M, K):
     N = 2048   # K = 200: the last group of 128 zero-padded
     qw, sc, zr = int4_weights(N, K, 128, torch.bfloat16, "cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    out = ql_mod.linear_int4_triton(x, qw, sc, zr, group_size=128, config=cfg)
-    close(out, qo.linear_int4(x.float(), qw, sc.float(), zr, group_size=128), torch.bfloat16)
+    for _ in range(2):  # SERIAL: the second call reuses the workspace and its counters
+        out = ql_mod.linear_int4_triton(x, qw, sc, zr, group_size=128, config=cfg)
+        close(out, qo.linear_int4(x.float(), qw, sc.float(), zr, group_size=128), torch.bfloat16)
 
 
 @pytest.mark.cuda

@@ -1,0 +1,130 @@
+"""Launch configurations for the linear_int4 / linear_int8 Triton kernels (quant_linear.py).
+
+`TUNED` holds the best correct tiling measured per (op, N, K, group size, batch bucket) by
+`scripts/gpu_quant_bench.py` on the H200; other shapes get a heuristic chosen from the sm_90 SASS
+of each variant (instructions per weight byte, registers, no spills) and the grid size. Pure
+Python: no triton import, so the configs can be inspected and tested anywhere.
+"""
+from __future__ import annotations
+
+GEMV_MAX_M = 16
+
+# Measured best tiles on the H200, keyed (op, N, K, group_size (0 for int8), batch bucket 1/4/16);
+# lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...] = ...") are pasted here.
+TUNED: dict = {}
+# NVIDIA H200, scripts/gpu_quant_bench.py (130 s budget, batches 1,4,16; run 1)
+TUNED[('int4', 8192, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 16, 'BLOCK_G': 8, 'UNPACK': 1, 'SPLIT_K': 1, 'num_warps': 4}
+TUNED[('int8', 8192, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+TUNED[('int4', 2048, 8192, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 8, 'UNPACK': 1, 'SPLIT_K': 1, 'num_warps': 1}
+TUNED[('int8', 2048, 8192, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 2}
+TUNED[('int4', 128256, 2048, 128, 1)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int8', 128256, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+TUNED[('int4', 2048, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+TUNED[('int8', 2048, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
+TUNED[('int4', 512, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+TUNED[('int8', 512, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
+TUNED[('int4', 8192, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 8192, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 2048, 8192, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 2048, 8192, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 128256, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 128256, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 2048, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 2048, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 512, 2048, 128, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int8', 512, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 8192, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 8192, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 2048, 8192, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 2048, 8192, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 128256, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+TUNED[('int8', 128256, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 2048, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int8', 2048, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 512, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int8', 512, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def batch_bucket(M: int) -> int:
+    return 1 if M <= 1 else 4 if M <= 4 else 16
+
+
+def _rows_for(row_words: int, N: int, n_sm: int, target_words: int = 2048) -> int:
+    """Rows per program: a tile of about target_words int32 words (8 KB), fewer rows while that
+    leaves under two programs per SM."""
+    bn = max(1, min(16, target_words // row_words))
+    bn = 1 << (bn.bit_length() - 1)
+    while bn > 1 and triton_cdiv(N, bn) < 2 * n_sm:
+        bn //= 2
+    return bn
+
+
+def _split_for(programs: int, steps: int, n_sm: int) -> int:
+    """Split K only when the row tiles alone leave most SMs idle (the split costs a memset and a
+    cast kernel)."""
+    split = 1
+    while programs * split < n_sm and steps // (2 * split) >= 1:
+        split *= 2
+    return split
+
+
+def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: bool = False) -> dict:
+    """Defaults chosen from sm_90 SASS of each variant (instructions per weight byte, registers,
+    no spills); TUNED holds what the H200 sweep measured. `asm`: bf16 on CUDA, where the
+    PTX-dequantizing tensor-core kernel (about 7-9 instructions per weight byte against 11 for
+    the fp32 GEMV) may be used."""
+    hit = TUNED.get(("int4", N, K, group_size, batch_bucket(M)))
+    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] != "gemv") and \
+            (asm or hit["kernel"] != "dotasm"):
+        return dict(hit)
+    G = triton_cdiv(K, group_size)
+    if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
+        bn, warps = (64, 2) if N <= 4096 else (128, 4)
+        split = _split_for(triton_cdiv(N, bn), G, n_sm)
+        return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
+                    num_warps=warps, num_stages=3)
+    if M > GEMV_MAX_M:  # prefill: tensor-core tiles
+        bm = 32 if M <= 32 else 64
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=64, BLOCK_G=max(1, 64 // group_size),
+                    num_warps=4, num_stages=3)
+    if M > 1:
+        # The GEMV's per-row reductions cost more than the weight bytes from 2 rows on; tl.dot
+        # with M padded to 16 dequantizes each code once whatever M is.
+        bn = 16 if N <= 4096 else 32
+        bg = max(1, min(_pow2(G), 256 // group_size))
+        split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
+        return dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=bg, SPLIT_K=split,
+                    num_warps=4, num_stages=3)
+    # H200 run 1, K = 2048: the best gemv tiles read 2048 columns (all of K) of 4 rows per step,
+    # UNPACK=0, 8 words (32 codes) per thread; fewer than 4 rows per program did not pay
+    bg = min(_pow2(G), max(1, 2048 // group_size))
+    row_words = bg * group_size // 8
+    bn = max(min(4, _pow2(N)), _rows_for(row_words, N, n_sm))
+    split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
+    warps = max(1, min(8, bn * row_words // 256))
+    return dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=bg, UNPACK=0, SPLIT_K=split, num_warps=warps)
+
+
+def int8_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
+    hit = TUNED.get(("int8", N, K, 0, batch_bucket(M)))
+    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] == "dot"):
+        return dict(hit)
+    if M > 2 or K % 4:
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        bn = 64 if M > GEMV_MAX_M else 16 if N <= 4096 else 32
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if M <= GEMV_MAX_M else 64,
+                    num_warps=4, num_stages=3)
+    kw = K // 4
+    bw = min(_pow2(kw), 256)
+    bn = _rows_for(bw, N, n_sm)
+    split = _split_for(triton_cdiv(N, bn), triton_cdiv(kw, bw), n_sm)
+    warps = max(1, min(8, bn * bw // 512))
+    return dict(kernel="gemv", BLOCK_N=bn, BLOCK_W=bw, UNPACK=0, SPLIT_K=split, num_warps=warps)
