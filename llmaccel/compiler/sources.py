@@ -84,8 +84,16 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     hf.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     tok.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if out.exists() and not (out / "config.json").exists():
+        shutil.rmtree(out, ignore_errors=True)  # left incomplete by an interrupted conversion
+    try:
+        tmp.rename(out)  # atomic: readers see no directory or a complete one
+    except OSError:
+        # Another process converted the same file meanwhile; its result is as good as ours,
+        # and it may be reading it, so keep it.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
     return out
 
 

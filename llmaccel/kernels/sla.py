@@ -98,10 +98,12 @@ if HAS_TRITON:
                 out += vs.to(tl.float32) * wi.to(tl.float32)[None, :]
             tl.store(o_ptr + b * so_b + t[:, None] * so_t + h * D + e[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=tm[:, None] & em[None, :])
+            # the ReLU may have promoted k to fp32 while v is still 16-bit: update S in fp32
+            kf = k.to(tl.float32)
             if IEEE:
-                S += tl.dot(tl.trans(k), v, input_precision="ieee")
+                S += tl.dot(tl.trans(kf), vf, input_precision="ieee")
             else:
-                S += tl.dot(tl.trans(k), v)
+                S += tl.dot(tl.trans(kf), vf, input_precision="tf32")
             z += tl.sum(k.to(tl.float32), axis=0)
 
 
