@@ -13,11 +13,11 @@ GEMV_MAX_M = 16
 # lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...] = ...") are pasted here.
 TUNED: dict = {}
 # NVIDIA H200, scripts/gpu_quant_bench.py (130 s budget, batches 1,4,16; run 1)
-TUNED[('int4', 8192, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 16, 'BLOCK_G': 8, 'UNPACK': 1, 'SPLIT_K': 1, 'num_warps': 4}
+TUNED[('int4', 8192, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_G': 4, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 1, 'STAGES': 3}
 TUNED[('int8', 8192, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
-TUNED[('int4', 2048, 8192, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 8, 'UNPACK': 1, 'SPLIT_K': 1, 'num_warps': 1}
+TUNED[('int4', 2048, 8192, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
 TUNED[('int8', 2048, 8192, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 2}
-TUNED[('int4', 128256, 2048, 128, 1)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+TUNED[('int4', 128256, 2048, 128, 1)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
 TUNED[('int8', 128256, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
 TUNED[('int4', 2048, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
 TUNED[('int8', 2048, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
