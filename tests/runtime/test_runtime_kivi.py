@@ -1,5 +1,6 @@
 """The paged runtime on graphs compiled with kvquant (packed KIVI cache) against the reference
 executor's QuantizedKVCache: greedy tokens identical, the same packed bytes in the cache."""
+import gc
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,6 @@ def test_cuda_runtime_matches_executor(bits):
     for kw in ({}, {"kv_cache_tokens": 480}):
         llm = LLM(m, **kw)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        del llm  # the default sizing takes most of the GPU: free it for the next engine
+        gc.collect()
+        torch.cuda.empty_cache()
