@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 
 WEIGHTS = [  # label, bytes per weight, ΔPPL %
-    ("bf16", 2.0, 0.0), ("W8 per channel", 1.006, 0.17), ("W4 g128 RTN", 0.580, 32.73),
+    ("source (bf16 storage)", 2.0, 0.0), ("W8 per channel", 1.006, 0.17), ("W4 g128 RTN", 0.580, 32.73),
     ("W4 g128 GPTQ (16 samples)", 0.580, 38.61), ("W4 g128 AWQ (16 samples)", 0.580, 28.19),
     ("W4 g128 AWQ+GPTQ, default", 0.580, 11.21),
 ]
 KV = [  # label, bytes per token, ΔPPL %
-    ("bf16", 23040, 0.0), ("KV4 G32", 7200, 0.19), ("KV2 G16", 5760, 6.35), ("KV2 G32", 4320, 14.34),
+    ("source (bf16 cache)", 23040, 0.0), ("KV4 G32", 7200, 0.19), ("KV2 G16", 5760, 6.35), ("KV2 G32", 4320, 14.34),
 ]
 
 
