@@ -15,7 +15,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, op_nodes, prune_weights, replace_weight, weight_of
+from llmaccel.passes.ir import add_weight, fold_affine, is_op, op_nodes, prune_weights, weight_of
 
 
 @dataclass
@@ -50,29 +50,9 @@ def _fold_norms(gm: torch.fx.GraphModule) -> dict:
         if not users or not all(_can_absorb(gm, u, norm) for u in users):
             skipped += 1
             continue
-        g = weight_of(gm, g_node)
-        beta = weight_of(gm, b_node)
+        g, beta = weight_of(gm, g_node), weight_of(gm, b_node)
         for lin in users:
-            w = weight_of(gm, lin.args[1])
-            b = weight_of(gm, lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias"))
-            wd = w.double()
-            new_w = wd * g.double()[None, :] if g is not None else wd
-            new_b = None
-            if beta is not None:
-                new_b = wd @ beta.double() + (b.double() if b is not None else 0.0)
-            elif b is not None:
-                new_b = b.double()
-            w_node = replace_weight(gm, lin.args[1], new_w.to(w.dtype), lin)
-            b_old = lin.args[2] if len(lin.args) > 2 else None
-            if new_b is None:
-                b_node2 = None
-            elif b_old is not None:
-                b_node2 = replace_weight(gm, b_old, new_b.to(w.dtype), lin)
-            else:
-                name = lin.args[1].target.removesuffix("weight") + "bias"
-                b_node2 = add_weight(gm, name, new_b.to(w.dtype), lin)
-            lin.args = (lin.args[0], w_node, b_node2)
-            lin.kwargs = {}
+            fold_affine(gm, lin, g, beta)
         norm.args = (norm.args[0], None, None) if is_ln else (norm.args[0], None)
         folded += 1
     return {"norms_folded": folded, "norms_kept": skipped}

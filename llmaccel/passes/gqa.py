@@ -18,7 +18,6 @@ fused again afterwards); quantized linears must come after gqa.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +28,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fuse import fuse_linears
-from llmaccel.passes.ir import is_op, op_nodes, prune_weights, replace_weight, unfuse_linears, weight_of
+from llmaccel.passes.ir import is_op, op_nodes, probe, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
 @dataclass
@@ -72,14 +71,8 @@ def _wb(gm, lin: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.no_grad()
 def _collect(gm, sites, ids: torch.Tensor) -> list[dict]:
     """Pre-RoPE q, k and v of every attention on ids, as (tokens, features) fp32."""
-    g = copy.deepcopy(gm.graph)
-    names = {n.name: n for n in g.nodes}
-    outs = tuple(names[s[w].name] for s in sites for w in "qkv")
-    out = next(n for n in g.nodes if n.op == "output")
-    out.args = (outs,)
-    probe = torch.fx.GraphModule(gm, g, class_name="gqa_probe")
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    vals = probe(ids, pos, None)
+    vals = probe(gm, [s[w] for s in sites for w in "qkv"])(ids, pos, None)
     return [{w: vals[3 * i + j].flatten(0, 1).float() for j, w in enumerate("qkv")}
             for i in range(len(sites))]
 

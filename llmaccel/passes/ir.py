@@ -1,6 +1,7 @@
 """Small helpers that passes share for reading and rewriting IR nodes and weights."""
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -27,6 +28,16 @@ def weight_of(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
     for part in node.target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def probe(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """A module sharing gm's weights whose forward returns the values of `nodes` (a tuple), so a
+    pass can measure activations on calibration text without touching gm."""
+    g = copy.deepcopy(gm.graph)
+    by_name = {n.name: n for n in g.nodes}
+    out = next(n for n in g.nodes if n.op == "output")
+    out.args = (tuple(by_name[n.name] for n in nodes),)
+    return torch.fx.GraphModule(gm, g, class_name="probe")
 
 
 def fresh_name(gm: torch.fx.GraphModule, base: str) -> str:
@@ -56,6 +67,38 @@ def replace_weight(gm: torch.fx.GraphModule, node: torch.fx.Node, value: torch.T
         set_weight(gm, node.target, value)
         return node
     return add_weight(gm, node.target, value, user)
+
+
+def fold_affine(gm: torch.fx.GraphModule, lin: torch.fx.Node, scale: torch.Tensor | None,
+                shift: torch.Tensor | None, *, own_weight: str | None = None) -> dict:
+    """Rewrite lin(scale * x + shift) as one linear of x: W' = W diag(scale), b' = W shift + b.
+
+    Computed in float64, stored in the weight's dtype. A weight read elsewhere too (a tied LM
+    head) is rewritten in place only if `own_weight` is None; otherwise lin gets its own copy
+    under that name. Returns {"biased": a bias was added, "untied": a copy was made}.
+    """
+    w_node = lin.args[1]
+    b_old = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+    w, b = weight_of(gm, w_node), weight_of(gm, b_old)
+    wd = w.detach().double()
+    new_w = (wd * scale.double().to(w.device)[None, :] if scale is not None else wd).to(w.dtype)
+    new_b = None
+    if shift is not None:
+        new_b = wd @ shift.double().to(w.device) + (b.detach().double() if b is not None else 0.0)
+    elif b is not None:
+        new_b = b.detach().double()
+    readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == w_node.target]
+    untied = own_weight is not None and (len(readers) > 1 or list(w_node.users) != [lin])
+    w_node2 = add_weight(gm, own_weight, new_w, lin) if untied else replace_weight(gm, w_node, new_w, lin)
+    if new_b is None:
+        b_node2 = None
+    elif b_old is not None:
+        b_node2 = replace_weight(gm, b_old, new_b.to(b.dtype), lin)
+    else:
+        b_node2 = add_weight(gm, w_node2.target.removesuffix("weight") + "bias", new_b.to(w.dtype), lin)
+    lin.args = (lin.args[0], w_node2, b_node2)
+    lin.kwargs = {}
+    return {"biased": new_b is not None and b_old is None, "untied": untied}
 
 
 def prune_weights(gm: torch.fx.GraphModule) -> int:

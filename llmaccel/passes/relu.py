@@ -9,7 +9,6 @@ text after the rewrite and reported.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +20,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sparse import relu_glu, sparse_down
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, op_nodes, prune_weights, replace_weight, weight_of
+from llmaccel.passes.ir import add_weight, is_op, op_nodes, probe, prune_weights, replace_weight, weight_of
 
 ACT_OPS = (ops.relu_mul, relu_glu)
 
@@ -42,13 +41,9 @@ class ReluConfig:
 
 def _probe(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Tensor) -> list:
     """Values of `nodes` (by name) for one forward on ids, from a copy of the graph."""
-    g = copy.deepcopy(gm.graph)
-    by_name = {n.name: n for n in g.nodes}
-    out = next(n for n in g.nodes if n.op == "output")
-    out.args = (tuple(by_name[n.name] for n in nodes),)
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.no_grad():
-        return list(torch.fx.GraphModule(gm, g, class_name="relu_probe")(ids, pos, None))
+        return list(probe(gm, nodes)(ids, pos, None))
 
 
 @torch.no_grad()

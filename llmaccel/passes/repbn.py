@@ -44,7 +44,7 @@ from llmaccel.compiler.model import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, fresh_name, is_op, op_nodes, prune_weights, replace_weight, weight_of
+from llmaccel.passes.ir import add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights, weight_of
 
 _NORMS = (ops.rms_norm, ops.layer_norm)
 _FUSED = (ops.add_rms_norm, ops.add_layer_norm)
@@ -166,34 +166,15 @@ def _absorbs(user: torch.fx.Node, node: torch.fx.Node) -> bool:
             and node not in user.args[1:] and node not in user.kwargs.values())
 
 
-def _shared(gm, w_node: torch.fx.Node, user: torch.fx.Node) -> bool:
-    readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == w_node.target]
-    return len(readers) > 1 or list(w_node.users) != [user]
-
-
 def _fold_into(gm, lin: torch.fx.Node, x: torch.fx.Node, a: torch.Tensor, c: torch.Tensor, st: dict) -> None:
     """lin(a * x + c) -> lin'(x): W' = W diag(a), b' = W c + b."""
-    w_node = lin.args[1]
-    b_old = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
-    w, b = weight_of(gm, w_node), weight_of(gm, b_old)
-    wd = w.detach().double()
-    new_w = (wd * a[None, :]).to(w.dtype)
-    new_b = wd @ c + (b.detach().double() if b is not None else 0.0)
-    head = lin.target is ops.lm_head
-    if head and _shared(gm, w_node, lin):
-        # A head tied to the embedding cannot take the scale: it gets its own copy.
-        w_node2 = add_weight(gm, "lm_head.weight", new_w, lin)
+    # A head tied to the embedding cannot take the scale: it gets its own copy.
+    own = "lm_head.weight" if lin.target is ops.lm_head else None
+    flags = fold_affine(gm, lin, a, c, own_weight=own)
+    lin.args = (x, *lin.args[1:])
+    if flags["untied"]:
         st["lm_head_untied"] = True
-    else:
-        w_node2 = replace_weight(gm, w_node, new_w, lin)
-    if b_old is not None:
-        b_node2 = replace_weight(gm, b_old, new_b.to(b.dtype), lin)
-    else:
-        stem = "lm_head." if head else w_node.target.removesuffix("weight")
-        b_node2 = add_weight(gm, stem + "bias", new_b.to(w.dtype), lin)
-        st["linears_biased"] += 1
-    lin.args = (x, w_node2, b_node2)
-    lin.kwargs = {}
+    st["linears_biased"] += flags["biased"]
     st["linears_folded"] += 1
 
 

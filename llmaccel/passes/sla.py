@@ -26,7 +26,6 @@ relative error of the attention output without and with the fitted conv on calib
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,7 +37,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, op_nodes, replace_weight, weight_of
+from llmaccel.passes.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
 
 
 @dataclass
@@ -85,18 +84,11 @@ def fit_conv(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Te
     Per channel c of the H*D outputs, the regressors are the K value taps and the linear-attention
     output; the Gram matrix (C, K+1, K+1) and right-hand side are summed over calibration tokens.
     """
-    g = copy.deepcopy(gm.graph)
-    names = {n.name: n for n in g.nodes}
-    outs = []
-    for n in nodes:
-        outs += [names[a.name] for a in n.args[:3]] + [names[n.name]]
-    out = next(n for n in g.nodes if n.op == "output")
-    out.args = (tuple(outs),)
-    probe = torch.fx.GraphModule(gm, g, class_name="sla_probe")
+    probed = probe(gm, [x for n in nodes for x in (*n.args[:3], n)])
     acc = [{"gram": 0, "xr": 0, "aa": 0} for _ in nodes]
     for i in progress(range(ids.shape[0]), desc="sla fit"):
         x = ids[i:i + 1]
-        vals = probe(x, torch.arange(x.shape[1], device=x.device)[None], None)
+        vals = probed(x, torch.arange(x.shape[1], device=x.device)[None], None)
         for li, n in enumerate(nodes):
             kw = n.kwargs
             H, Hkv, D = kw["n_heads"], kw["n_kv_heads"], kw["head_dim"]
