@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from llmaccel.kernels import cdiv, registered
 from llmaccel.ops import bitlinear as ref
 
 try:  # kernels are optional: every non-CUDA path works without triton
@@ -114,16 +115,12 @@ if triton is not None:
             tl.store(o, y.to(out_ptr.dtype.element_ty), mask=om)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def default_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
     """Tiles: decode (M <= 16) splits K until about two programs per SM; prefill does not."""
     kp = ref.padded_in(K)
     if M <= GEMV_MAX_M:
         cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4)
-        while _cdiv(N, 32) * cfg["SPLIT_K"] < 2 * n_sm and kp // (cfg["SPLIT_K"] * 2) >= 512:
+        while cdiv(N, 32) * cfg["SPLIT_K"] < 2 * n_sm and kp // (cfg["SPLIT_K"] * 2) >= 512:
             cfg["SPLIT_K"] *= 2
         return cfg
     return dict(BLOCK_M=32 if M <= 32 else 64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4)
@@ -149,15 +146,15 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
     cfg = dict(config or default_config(M, N, K))
     split = cfg.pop("SPLIT_K", 1)
     kp = ref.padded_in(K)
-    k_per = _cdiv(_cdiv(kp, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = _cdiv(kp, k_per)
+    k_per = cdiv(cdiv(kp, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = cdiv(kp, k_per)
     if split > 1:
         out = torch.zeros(M, N, device=x.device, dtype=torch.float32)
     else:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     has_norm, has_g = eps is not None, norm_weight is not None
     g_round = has_g and torch.promote_types(norm_weight.dtype, x.dtype) == x.dtype
-    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
+    grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), split)
     _bitlinear_kernel[grid](
         x2, norm_weight if has_g else x2, w_packed, w_scale, bias if bias is not None else w_scale,
         out, M, N, K, kp // 4, k_per, x2.stride(0), float(eps or 0.0),
@@ -167,14 +164,6 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
 
 
 # --- custom ops: CPU = reference, CUDA = Triton ---------------------------------------------------
-
-def _registered(name: str) -> bool:
-    # A re-import (tests import this module afresh under the interpreter) must not register twice.
-    try:
-        getattr(torch.ops.llmaccel, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _bitlinear_cuda(x, w_packed, w_scale, bias=None, *, in_features, out_features):
@@ -194,7 +183,7 @@ def _rms_norm_bitlinear_cuda(x, norm_weight, w_packed, w_scale, bias=None, *, ep
                             out_features=out_features, norm_weight=norm_weight, eps=eps)
 
 
-if not _registered("bitlinear"):
+if not registered("bitlinear"):
     @torch.library.custom_op("llmaccel::bitlinear", mutates_args=())
     def bitlinear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                   bias: Optional[torch.Tensor] = None, *, in_features: int,
@@ -208,7 +197,7 @@ if not _registered("bitlinear"):
     def _bitlinear_fake(x, w_packed, w_scale, bias=None, *, in_features, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
-if not _registered("rms_norm_bitlinear"):
+if not registered("rms_norm_bitlinear"):
     @torch.library.custom_op("llmaccel::rms_norm_bitlinear", mutates_args=())
     def rms_norm_bitlinear(x: torch.Tensor, norm_weight: Optional[torch.Tensor],
                            w_packed: torch.Tensor, w_scale: torch.Tensor,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from llmaccel.kernels import cdiv
 from llmaccel.ops.attention import attend_heads
 
 try:  # kernels are optional: every non-CUDA path must work without triton
@@ -27,10 +28,6 @@ try:  # kernels are optional: every non-CUDA path must work without triton
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -56,7 +53,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context
             groups.setdefault(cu[s + 1] - cu[s], []).append(s)
     for T, ss in groups.items():
         L = max(lens[s] for s in ss)
-        nb = _cdiv(L, bs)
+        nb = cdiv(L, bs)
         bt = block_tables[ss, :nb].long()
         k = k_cache[bt].reshape(len(ss), nb * bs, Hkv, D)[:, :L].transpose(1, 2).to(q.dtype)
         v = v_cache[bt].reshape(len(ss), nb * bs, Hkv, D)[:, :L].transpose(1, 2).to(q.dtype)
@@ -74,7 +71,7 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     S, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
-    nb = _cdiv(max_len, bs)
+    nb = cdiv(max_len, bs)
     bt = block_tables[:, :nb].long()
     k = k_cache[bt].reshape(S, nb * bs, Hkv, D)[:, :max_len].transpose(1, 2).to(q.dtype)
     v = v_cache[bt].reshape(S, nb * bs, Hkv, D)[:, :max_len].transpose(1, 2).to(q.dtype)
@@ -233,7 +230,7 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_M = 16 if max_q_len <= 16 else (32 if BLOCK_D > 64 else 64)
     BLOCK_N = 32 if BLOCK_D > 64 else 64
-    grid = (S, H, _cdiv(max_q_len, BLOCK_M))
+    grid = (S, H, cdiv(max_q_len, BLOCK_M))
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -245,8 +242,8 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
 
 def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int = 132) -> int:
     """How many splits of the context: enough programs to fill the GPU, none shorter than 256."""
-    want = _cdiv(2 * num_sms, max(1, S * Hkv))
-    return max(1, min(want, _cdiv(max_len, max(256, block_n))))
+    want = cdiv(2 * num_sms, max(1, S * Hkv))
+    return max(1, min(want, cdiv(max_len, max(256, block_n))))
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
@@ -267,8 +264,8 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: 
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
     max_len = block_tables.shape[1] * BS
     n = num_splits or decode_splits(S, Hkv, max_len, BLOCK_N)
-    split_len = _cdiv(_cdiv(max_len, n), BLOCK_N) * BLOCK_N
-    n = _cdiv(max_len, split_len)
+    split_len = cdiv(cdiv(max_len, n), BLOCK_N) * BLOCK_N
+    n = cdiv(max_len, split_len)
     mid_o = torch.empty((S, H, n, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((S, H, n), dtype=torch.float32, device=q.device)
     G = H // Hkv

@@ -28,8 +28,9 @@ from typing import Optional
 
 import torch
 
+from llmaccel.kernels import cdiv, registered
 from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
-    GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config, triton_cdiv)
+    GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config)
 from llmaccel.ops import quant as ref
 
 try:
@@ -472,10 +473,10 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
     if kernel == "gemv" and M > GEMV_MAX_M:
         raise ValueError(f"linear_int4: the GEMV kernel takes at most {GEMV_MAX_M} rows, got {M}")
     split = cfg.pop("SPLIT_K", 1)
-    gps = triton_cdiv(triton_cdiv(G, split), cfg["BLOCK_G"]) * cfg["BLOCK_G"]  # groups per split
-    split = triton_cdiv(G, gps)
+    gps = cdiv(cdiv(G, split), cfg["BLOCK_G"]) * cfg["BLOCK_G"]  # groups per split
+    split = cdiv(G, gps)
     serial = cfg.pop("SERIAL", False) and split > 1 and kernel in ("gemv", "dotasm")
-    tiles = triton_cdiv(N, cfg["BLOCK_N"]) * (1 if kernel == "gemv" else triton_cdiv(M, cfg["BLOCK_M"]))
+    tiles = cdiv(N, cfg["BLOCK_N"]) * (1 if kernel == "gemv" else cdiv(M, cfg["BLOCK_M"]))
     ws = _split_workspace(x.device, split * M * N, tiles) if serial else None
     serial = ws is not None
     out = _out(M, N, x, 1 if serial else split)
@@ -489,7 +490,7 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
     if kernel == "gemv":
         if M > 1 and cfg.get("UNPACK") == 2:  # elementwise accumulators hold one row
             cfg["UNPACK"] = 1
-        grid = (triton_cdiv(N, cfg["BLOCK_N"]), split)
+        grid = (cdiv(N, cfg["BLOCK_N"]), split)
         _int4_gemv_kernel[grid](*args, *ws, N, K, G, zeros.shape[1], gps, x2.stride(0), ROWS=M,
                                 BLOCK_M=_pow2(M), **flags, **cfg)
     elif kernel == "dotasm":  # bf16 on CUDA only: inline PTX
@@ -497,12 +498,12 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
             raise ValueError("linear_int4: the dotasm kernel takes bf16 CUDA inputs")
         cfg.pop("UNPACK", None)
         cfg.pop("BLOCK_G", None)
-        grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split)
+        grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), split)
         _int4_dot_asm_kernel[grid](*args, *ws, M, N, K, G, zeros.shape[1], gps, x2.stride(0), **flags,
                                    **cfg)
     else:
         cfg.pop("UNPACK", None)
-        grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]), split)
+        grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), split)
         _int4_dot_kernel[grid](*args, M, N, K, G, zeros.shape[1], gps, x2.stride(0),
                                IEEE=x.dtype == torch.float32, **flags, **cfg)
     return _finish(out, x, bias, 1 if serial else split)
@@ -546,32 +547,24 @@ def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):
     scales = scales.contiguous()
     if kernel == "gemv":
         kw = K // 4
-        wps = triton_cdiv(triton_cdiv(kw, split), cfg["BLOCK_W"]) * cfg["BLOCK_W"]  # words per split
-        split = triton_cdiv(kw, wps)
+        wps = cdiv(cdiv(kw, split), cfg["BLOCK_W"]) * cfg["BLOCK_W"]  # words per split
+        split = cdiv(kw, wps)
         out = _out(M, N, x, split)
         has_bias = bias is not None and split == 1
-        _int8_gemv_kernel[(triton_cdiv(N, cfg["BLOCK_N"]), split)](
+        _int8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), split)](
             x2, _words(qweight), scales, bias if has_bias else out, out, N, K, kw, wps, x2.stride(0),
             ROWS=M, BLOCK_M=_pow2(M), EVEN_K=True, HAS_BIAS=has_bias, ATOMIC=split > 1, **cfg)
     else:
         cfg.pop("UNPACK", None)
         out = _out(M, N, x, 1)
         has_bias = bias is not None
-        grid = (triton_cdiv(M, cfg["BLOCK_M"]), triton_cdiv(N, cfg["BLOCK_N"]))
+        grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]))
         _int8_dot_kernel[grid](x2, qweight.contiguous(), scales, bias if has_bias else out, out, M, N, K,
                                x2.stride(0), IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias, **cfg)
     return _finish(out, x, bias, split)
 
 
 # --- custom ops: CPU = reference, CUDA = Triton ---------------------------------------------------
-
-def _registered(name: str) -> bool:
-    # A re-import (tests import this module afresh under the interpreter) must not register twice.
-    try:
-        getattr(torch.ops.llmaccel, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _linear_int4_cuda(x, qweight, scales, zeros, bias=None, group_size=128):
@@ -586,7 +579,7 @@ def _linear_int8_cuda(x, qweight, scales, bias=None):
     return linear_int8_triton(x, qweight, scales, bias)
 
 
-if not _registered("linear_int4"):
+if not registered("linear_int4"):
     @torch.library.custom_op("llmaccel::linear_int4", mutates_args=())
     def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, group_size: int = 128) -> torch.Tensor:
@@ -598,7 +591,7 @@ if not _registered("linear_int4"):
     def _linear_int4_fake(x, qweight, scales, zeros, bias=None, group_size=128):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
-if not _registered("linear_int8"):
+if not registered("linear_int8"):
     @torch.library.custom_op("llmaccel::linear_int8", mutates_args=())
     def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -7,12 +7,15 @@ Python: no triton import, so the configs can be inspected and tested anywhere.
 """
 from __future__ import annotations
 
+from llmaccel.kernels import cdiv
+
 GEMV_MAX_M = 16
 
 # Measured best tiles on the H200, keyed (op, N, K, group_size (0 for int8), batch bucket 1/4/16);
 # lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...] = ...") are pasted here.
 TUNED: dict = {}
-# NVIDIA H200, scripts/gpu_quant_bench.py (130 s budget, batches 1,4,16; run 1)
+# NVIDIA H200, scripts/gpu_quant_bench.py (run 1: 130 s budget, batches 1,4,16; int4 batch-1
+# entries from run 2: --batches 1 --budget 90 --ops int4)
 TUNED[('int4', 8192, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_G': 4, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 1, 'STAGES': 3}
 TUNED[('int8', 8192, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
 TUNED[('int4', 2048, 8192, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
@@ -49,10 +52,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def batch_bucket(M: int) -> int:
     return 1 if M <= 1 else 4 if M <= 4 else 16
 
@@ -62,7 +61,7 @@ def _rows_for(row_words: int, N: int, n_sm: int, target_words: int = 2048) -> in
     leaves under two programs per SM."""
     bn = max(1, min(16, target_words // row_words))
     bn = 1 << (bn.bit_length() - 1)
-    while bn > 1 and triton_cdiv(N, bn) < 2 * n_sm:
+    while bn > 1 and cdiv(N, bn) < 2 * n_sm:
         bn //= 2
     return bn
 
@@ -85,10 +84,10 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: b
     if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] != "gemv") and \
             (asm or hit["kernel"] != "dotasm"):
         return dict(hit)
-    G = triton_cdiv(K, group_size)
+    G = cdiv(K, group_size)
     if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
         bn, warps = (64, 2) if N <= 4096 else (128, 4)
-        split = _split_for(triton_cdiv(N, bn), G, n_sm)
+        split = _split_for(cdiv(N, bn), G, n_sm)
         return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
                     num_warps=warps, num_stages=3)
     if M > GEMV_MAX_M:  # prefill: tensor-core tiles
@@ -100,7 +99,7 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: b
         # with M padded to 16 dequantizes each code once whatever M is.
         bn = 16 if N <= 4096 else 32
         bg = max(1, min(_pow2(G), 256 // group_size))
-        split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
+        split = _split_for(cdiv(N, bn), cdiv(G, bg), n_sm)
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=bg, SPLIT_K=split,
                     num_warps=4, num_stages=3)
     # H200 run 1, K = 2048: the best gemv tiles read 2048 columns (all of K) of 4 rows per step,
@@ -108,7 +107,7 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: b
     bg = min(_pow2(G), max(1, 2048 // group_size))
     row_words = bg * group_size // 8
     bn = max(min(4, _pow2(N)), _rows_for(row_words, N, n_sm))
-    split = _split_for(triton_cdiv(N, bn), triton_cdiv(G, bg), n_sm)
+    split = _split_for(cdiv(N, bn), cdiv(G, bg), n_sm)
     warps = max(1, min(8, bn * row_words // 256))
     return dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=bg, UNPACK=0, SPLIT_K=split, num_warps=warps)
 
@@ -125,6 +124,6 @@ def int8_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
     kw = K // 4
     bw = min(_pow2(kw), 256)
     bn = _rows_for(bw, N, n_sm)
-    split = _split_for(triton_cdiv(N, bn), triton_cdiv(kw, bw), n_sm)
+    split = _split_for(cdiv(N, bn), cdiv(kw, bw), n_sm)
     warps = max(1, min(8, bn * bw // 512))
     return dict(kernel="gemv", BLOCK_N=bn, BLOCK_W=bw, UNPACK=0, SPLIT_K=split, num_warps=warps)

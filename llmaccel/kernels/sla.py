@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from llmaccel.kernels import cdiv
 from llmaccel.ops.sla import sla_forward
 
 try:  # kernels are optional: every non-CUDA path works without triton
@@ -39,10 +40,6 @@ except ImportError:  # pragma: no cover - only where triton is absent
 HAS_TRITON = triton is not None
 CHUNK = 64
 BLOCK_DV = 32
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pow2(n: int) -> int:
@@ -132,7 +129,7 @@ def linear_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
     BD = _pow2(D)
     BDV = min(BD, _pow2(block_dv))
-    grid = (B * H, _cdiv(D, BDV))
+    grid = (B * H, cdiv(D, BDV))
     _linear_attention_kernel[grid](q, k, v, w, out, T, H, H // Hkv, D, 1 if w.shape[0] == H * D else H // Hkv,
                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                    out.stride(0), out.stride(1), float(eps),

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from llmaccel.kernels import cdiv
 from llmaccel.ops.sparse import sparse_down as sparse_down_ref
 
 try:  # kernels are optional: every non-CUDA path works without triton
@@ -33,10 +34,6 @@ except ImportError:  # pragma: no cover - only where triton is absent
 HAS_TRITON = triton is not None
 DENSE_MIN_TOKENS = 64  # from this many tokens on, the union of non-zeros is ~dense: use cuBLAS
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if HAS_TRITON:
@@ -67,9 +64,9 @@ if HAS_TRITON:
 
 
 def _splits(M: int, N: int, K: int, device: torch.device) -> int:
-    tiles = _cdiv(M, BLOCK_M) * _cdiv(N, BLOCK_N)
+    tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(_cdiv(K, BLOCK_K), _cdiv(4 * sms, tiles)))
+    return max(1, min(cdiv(K, BLOCK_K), cdiv(4 * sms, tiles)))
 
 
 def sparse_down_triton(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -90,10 +87,10 @@ def sparse_down_triton(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     if M == 0:
         return x.new_zeros(out_shape)
     S = _splits(M, N, K, x.device)
-    k_per = _cdiv(_cdiv(K, S), BLOCK_K) * BLOCK_K
-    S = _cdiv(K, k_per)
+    k_per = cdiv(cdiv(K, S), BLOCK_K) * BLOCK_K
+    S = cdiv(K, k_per)
     part = torch.empty((S, M, N), device=x.device, dtype=torch.float32)
-    grid = (_cdiv(M, BLOCK_M), _cdiv(N, BLOCK_N), S)
+    grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), S)
     _sparse_down_kernel[grid](x2, w, part, M, N, K, k_per, x2.stride(0), w.stride(0),
                               part.stride(0), part.stride(1), IEEE=x.dtype == torch.float32,
                               BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
