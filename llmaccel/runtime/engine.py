@@ -7,6 +7,7 @@ import torch
 
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.graph import layerskip_draft, runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
@@ -59,7 +60,7 @@ class LLM:
         self.gm = runtime_graph(self.model.gm)
         layers = attention_layers(self.model.gm)
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
-        if any(getattr(n.target, "__name__", "") == "linear_attention" for n in self.model.gm.graph.nodes):
+        if any(n.op == "call_function" and n.target is linear_attention for n in self.model.gm.graph.nodes):
             raise LlmaccelError("the paged runtime has no recurrent-state cache for linear attention (sla); "
                                 "run this graph with the reference executor (Model.generate_ids / llmc eval)")
         self.k_max = max(1, num_speculative_tokens)
