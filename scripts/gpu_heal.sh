@@ -5,7 +5,8 @@
 # unhealed artifacts.
 # Usage: scripts/gpu_heal.sh [MINUTES] [OUTDIR] [JOBS...]
 #   MINUTES: wall-clock heal budget per job (heal.minutes; default 6), OUTDIR default out/heal-gpu,
-#   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all).
+#   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all), each optionally followed by
+#   heal option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4).
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in float32 (AdamW updates vanish in bf16 weights). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.
@@ -35,14 +36,18 @@ passes_of() {  # job -> pass list and options
 lr_of() { case $1 in bitlinear) echo 1e-3 ;; sla|repbn) echo 5e-4 ;; gqa1) echo 3e-4 ;; *) echo 2e-4 ;; esac; }
 
 job() {  # the unhealed and the healed compile side by side; each report holds its held-out quality
-  local name=$1 spec passes
-  spec=$(passes_of "$name") || return 1
+  local name=$1 base=${1%%:*} spec passes extra="" kv
+  spec=$(passes_of "$base") || return 1
   passes=${spec%% *}
   local opts=${spec#"$passes"}
-  $LLMC compile "$SRC" --device cuda --passes "$passes" $opts --calib "$TEXT" --calib-split first-half \
-    --eval-tokens 8192 -o "$OUT/$name-noheal" > "$OUT/$name-noheal.compile.txt" 2>&1 &
-  $LLMC compile "$SRC" --device cuda --passes "$passes,heal" $opts $HEAL --set heal.lr=$(lr_of "$name") \
-    --calib "$TEXT" --calib-split first-half --eval-tokens 8192 -o "$OUT/$name" > "$OUT/$name.compile.txt" 2>&1
+  local rest=${name#"$base"}
+  for kv in ${rest//:/ }; do extra="$extra --set heal.$kv"; done
+  if [ -z "$rest" ]; then  # variants share their base job's unhealed compile
+    $LLMC compile "$SRC" --device cuda --passes "$passes" $opts --calib "$TEXT" --calib-split first-half \
+      --eval-tokens 8192 -o "$OUT/$base-noheal" > "$OUT/$base-noheal.compile.txt" 2>&1 &
+  fi
+  $LLMC compile "$SRC" --device cuda --passes "$passes,heal" $opts $HEAL --set heal.lr=$(lr_of "$base") \
+    $extra --calib "$TEXT" --calib-split first-half --eval-tokens 8192 -o "$OUT/$name" > "$OUT/$name.compile.txt" 2>&1
   wait
   echo "$name done"
 }
@@ -63,7 +68,7 @@ for j in sys.argv[2:]:
     def q(name):
         p = out / name / "report.json"
         return json.loads(p.read_text()) if p.exists() else None
-    a, b = q(f"{j}-noheal"), q(j)
+    a, b = q(f"{j.split(':')[0]}-noheal"), q(j)
     da = a["quality"]["delta_ppl_pct"] if a and "quality" in a else float("nan")
     db = b["quality"]["delta_ppl_pct"] if b and "quality" in b else float("nan")
     kl = b["quality"].get("kl", float("nan")) if b and "quality" in b else float("nan")

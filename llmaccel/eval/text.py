@@ -36,6 +36,21 @@ def file_tokens(model, path: str, split: str, max_tokens: int | None) -> torch.T
 
 
 @torch.no_grad()
+def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, length) ids: each prompt row (B, P) continued by temperature-1 samples from `model`."""
+    B, P = prompts.shape
+    params = SamplingParams(temperature=1.0)
+    cache = make_cache(model.gm, B, length, model.dtype, model.device)
+    seqs = prompts.to(model.device)
+    tok = seqs
+    for _ in range(length - P):
+        logits = model.logits(tok, cache.length, cache)[:, -1]
+        tok = sample(logits, params, gen)[:, None]
+        seqs = torch.cat([seqs, tok], dim=1)
+    return seqs
+
+
+@torch.no_grad()
 def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
                    batch: int = 4) -> torch.Tensor:
     """Seeded samples (temperature 1) from `model`, concatenated to n_tokens ids.
@@ -43,20 +58,13 @@ def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
     Lets fidelity be measured, and passes be calibrated, with no data file at all.
     """
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    params = SamplingParams(temperature=1.0)
     start = model.config.bos_token_id if model.config.bos_token_id is not None else 0
     out: list[torch.Tensor] = []
     total = 0
     while total < n_tokens:
         B = min(batch, -(-(n_tokens - total) // seq_len))
-        cache = make_cache(model.gm, B, seq_len, model.dtype, model.device)
         seqs = torch.full((B, 1), start, dtype=torch.long, device=model.device)
-        tok = seqs
-        for _ in range(seq_len - 1):
-            logits = model.logits(tok, cache.length, cache)[:, -1]
-            tok = sample(logits, params, gen)[:, None]
-            seqs = torch.cat([seqs, tok], dim=1)
-        out.extend(seqs.cpu())
+        out.extend(continue_samples(model, seqs, seq_len, gen).cpu())
         total += B * seq_len
     return torch.cat(out)[:n_tokens]
 

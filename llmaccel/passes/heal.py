@@ -23,12 +23,15 @@ import torch.nn.functional as F
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
+from llmaccel.eval.text import continue_samples
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.ir import is_op, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
 _MAX_WINDOWS = 4096
+_PROMPT = 32         # calibration tokens that start each sampled window
+_SAMPLE_BATCH = {"cuda": 256, "cpu": 16}  # sequences sampled at once (the KV cache is B x seq_len)
 
 
 @dataclass
@@ -47,6 +50,11 @@ class HealConfig:
     # Wall-clock budget (0 = none): training progress is the larger of step/steps and
     # elapsed/budget, so the lr decay and the passes' schedules still complete when time runs out.
     minutes: float = 0.0
+    # Training windows sampled from the source model (temperature 1), each continuing the first
+    # _PROMPT tokens of a calibration window, added to the calibration windows. A file's worth of
+    # windows is seen many times in a long heal and the student starts to fit those windows
+    # rather than the source; samples are as many fresh windows as one asks for.
+    sampled: int = 0
 
     def __post_init__(self):
         for k in ("steps", "seq_len", "batch", "eval_windows"):
@@ -54,8 +62,9 @@ class HealConfig:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
         if not self.lr > 0:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
-        if self.hidden < 0 or self.warmup < 0 or self.minutes < 0:
-            raise LlmaccelError("heal.hidden, heal.warmup and heal.minutes must not be negative")
+        if self.hidden < 0 or self.warmup < 0 or self.minutes < 0 or self.sampled < 0:
+            raise LlmaccelError("heal.hidden, heal.warmup, heal.minutes and heal.sampled must not "
+                                "be negative")
 
 
 def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.nn.Parameter]:
@@ -167,7 +176,22 @@ class Heal(Pass):
         if len(windows) < c.eval_windows + 1:
             raise LlmaccelError(f"heal: calibration text gives {len(windows)} windows of "
                                 f"{c.seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
-        return windows[: -c.eval_windows].to(ctx.device), windows[-c.eval_windows:].to(ctx.device)
+        train, held = windows[: -c.eval_windows], windows[-c.eval_windows:]
+        if c.sampled:
+            train = torch.cat([train, self._sample(ctx, train)])
+            # interleave file and sampled windows; seeded, so a compile is reproducible
+            train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
+        return train.to(ctx.device), held.to(ctx.device)
+
+    def _sample(self, ctx: PassContext, train: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        model = ctx.source_model
+        prompts = train[torch.arange(c.sampled) % len(train), : min(_PROMPT, c.seq_len)]
+        gen = torch.Generator(device=model.device).manual_seed(0)
+        bs = _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
+        out = [continue_samples(model, prompts[i: i + bs], c.seq_len + 1, gen).cpu()
+               for i in ctx.progress(range(0, c.sampled, bs), desc="heal: sampling")]
+        return torch.cat(out)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config
@@ -240,7 +264,7 @@ class Heal(Pass):
         curve, every = _curve(losses)
         stats = {
             "steps": len(losses), "train_tokens": len(losses) * c.batch * c.seq_len,
-            "distinct_windows": min(len(train), len(losses) * c.batch),
+            "distinct_windows": min(len(train), len(losses) * c.batch), "sampled_windows": c.sampled,
             "params_trained": sum(p.numel() for p in params.values()),
             "seconds_per_step": round(seconds / max(1, len(losses)), 3),
             "held_out_tokens": held.shape[0] * (held.shape[1] - 1),

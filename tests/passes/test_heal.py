@@ -131,3 +131,26 @@ def test_heal_time_budget_stops_early_and_reports_steps_done():
     st = m.report["passes"][-1]["stats"]
     assert 1 <= st["steps"] < 100000
     assert st["train_tokens"] == st["steps"] * 16
+
+
+def test_sampled_windows_continue_calibration_prompts_and_train():
+    src = "preset:tiny-llama"
+    m = load(src)
+    _damage(m)
+    ctx = _ctx(src, m)
+    heal = get_pass("heal")(make_config(get_pass("heal"), {"steps": "6", "seq_len": "40", "batch": "2",
+                                                           "eval_windows": "2", "sampled": "5"}))
+    train, held = heal._data(ctx)
+    calib = ctx.calib_tokens(12 + 2, 41)
+    assert train.shape == (12 + 5, 41) and torch.equal(held, calib[-2:])
+    file_rows = {tuple(r.tolist()) for r in calib[:-2]}
+    sampled = [r for r in train if tuple(r.tolist()) not in file_rows]
+    assert len(sampled) == 5  # every calibration window kept, five sampled ones added
+    prompts = {tuple(r[:32].tolist()) for r in calib[:-2]}
+    assert all(tuple(r[:32].tolist()) in prompts for r in sampled)
+    # the source continues the prompt with its own tokens (a 512-token vocabulary at temperature 1)
+    assert all(not torch.equal(r[32:], calib[i, 32:]) for i, r in enumerate(sampled))
+    st = heal.run(m.gm, ctx).stats
+    assert st["sampled_windows"] == 5 and st["kl_after"] < st["kl_before"]
+    with pytest.raises(LlmaccelError, match="heal.sampled"):
+        make_config(get_pass("heal"), {"sampled": "-1"})
