@@ -33,6 +33,7 @@ from llmaccel.ops import bitlinear as ref
 try:  # kernels are optional: every non-CUDA path works without triton
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - only where triton is absent
     triton = None
     tl = None
@@ -61,6 +62,7 @@ if triton is not None:
     def _bitlinear_kernel(x_ptr, g_ptr, wp_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, KB, K_PER,
                           stride_xm, eps, HAS_NORM: tl.constexpr, HAS_G: tl.constexpr,
                           G_ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                          EXACT_MUL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_S: tl.constexpr):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -96,8 +98,16 @@ if triton is not None:
                 h = _load_h(x_ptr, g_ptr, rm, k0 + col0 + 16 * s, m_ok, stride_xm, K, rstd,
                             HAS_NORM, HAS_G, G_ROUND)
                 # round half to even as torch.round does: with c = 1.5 * 2^23, (v + c) - c
-                # rounds |v| < 2^22 to an integer in IEEE arithmetic (|v| <= 127.5 here)
-                q = (h * inv[:, None] + 12582912.0) - 12582912.0
+                # rounds |v| < 2^22 to an integer in IEEE arithmetic (|v| <= 127.5 here).
+                # The product must be rounded to fp32 first, as the reference rounds it: a plain
+                # multiply-add may be contracted into one FMA, which rounds the exact product and
+                # so decides ties differently; 16-bit inputs hit exact ties (h / amax * 127 = k +
+                # 1/2) often. mul_rn is a multiply the compiler may not fuse.
+                if EXACT_MUL:
+                    v = libdevice.mul_rn(h, inv[:, None])
+                else:
+                    v = h * inv[:, None]
+                q = (v + 12582912.0) - 12582912.0
                 q = tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int8)
                 t = ((byte >> (2 * s)) & 3).to(tl.int8) - 1
                 acc += tl.dot(q, tl.trans(t), out_dtype=tl.int32)
@@ -113,6 +123,10 @@ if triton is not None:
             tl.atomic_add(o, y, mask=om)
         else:
             tl.store(o, y.to(out_ptr.dtype.element_ty), mask=om)
+
+
+# The interpreter multiplies with numpy (IEEE, never fused) and has no libdevice.
+_INTERPRETED = triton is not None and type(_bitlinear_kernel).__name__ == "InterpretedFunction"
 
 
 def default_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
@@ -159,7 +173,7 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
         x2, norm_weight if has_g else x2, w_packed, w_scale, bias if bias is not None else w_scale,
         out, M, N, K, kp // 4, k_per, x2.stride(0), float(eps or 0.0),
         HAS_NORM=has_norm, HAS_G=has_g, G_ROUND=g_round, HAS_BIAS=bias is not None,
-        ATOMIC=split > 1, BLOCK_S=256, **cfg)
+        ATOMIC=split > 1, EXACT_MUL=not _INTERPRETED, BLOCK_S=256, **cfg)
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 

@@ -31,7 +31,7 @@ from llmaccel.passes.ir import is_op, weight_of
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
 _MAX_WINDOWS = 4096
 _PROMPT = 32         # calibration tokens that start each sampled window
-_SAMPLE_BATCH = {"cuda": 256, "cpu": 16}  # sequences sampled at once (the KV cache is B x seq_len)
+_SAMPLE_BATCH = {"cuda": 1024, "cpu": 16}  # sequences sampled at once (the KV cache is B x seq_len)
 
 
 @dataclass
