@@ -23,8 +23,9 @@ def plot(reports: list[str], out: str) -> None:
         st = heal["stats"]
         before = "+".join(p["name"] for p in rep["passes"] if p["name"] != "heal")
         xs = [(i + 0.5) * st["loss_curve_every"] for i in range(len(st["loss_curve"]))]
-        ax.plot(xs, st["loss_curve"], label=f"{before}: held-out ΔPPL {st['delta_ppl_pct_before']:+.0f}% → "
-                                           f"{st['delta_ppl_pct_after']:+.0f}%")
+        data = f", {st['sampled_windows']} sampled windows" if st.get("sampled_windows") else ""
+        ax.plot(xs, st["loss_curve"], label=f"{before} ({st['steps']} steps{data}): held-out ΔPPL "
+                f"{st['delta_ppl_pct_before']:+.0f}% → {st['delta_ppl_pct_after']:+.0f}%")
     ax.set_xlabel("heal step")
     ax.set_ylabel("KL(source || student) per token")
     ax.set_yscale("log")

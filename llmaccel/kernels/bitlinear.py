@@ -62,7 +62,7 @@ if triton is not None:
     def _bitlinear_kernel(x_ptr, g_ptr, wp_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, KB, K_PER,
                           stride_xm, eps, HAS_NORM: tl.constexpr, HAS_G: tl.constexpr,
                           G_ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                          EXACT_MUL: tl.constexpr,
+                          IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_S: tl.constexpr):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -79,12 +79,21 @@ if triton is not None:
                 xv = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :],
                              mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
                 ss += tl.sum(xv * xv, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            if IEEE:
+                ms = libdevice.div_rn(ss, tl.full((BLOCK_M,), K, tl.float32))
+                rstd = libdevice.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), libdevice.sqrt_rn(ms + eps))
+            else:
+                rstd = 1.0 / tl.sqrt(ss / K + eps)
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_S):
             h = _load_h(x_ptr, g_ptr, rm, k0 + rs, m_ok, stride_xm, K, rstd, HAS_NORM, HAS_G, G_ROUND)
             amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
-        inv = 127.0 / tl.maximum(amax, 1e-5)
+        # inv decides which products h * inv land on a tie (k + 1/2): compiled `/` is an
+        # approximate division, so the rounded division is spelled out (IEEE, as the reference).
+        if IEEE:
+            inv = libdevice.div_rn(tl.full((BLOCK_M,), 127.0, tl.float32), tl.maximum(amax, 1e-5))
+        else:
+            inv = 127.0 / tl.maximum(amax, 1e-5)
         # 2. ternary matmul over this program's columns
         rj = tl.arange(0, BLOCK_K // 4)                 # byte of the tile
         col0 = (rj // 16) * 64 + rj % 16                 # its plane-0 column within the tile
@@ -103,7 +112,7 @@ if triton is not None:
                 # multiply-add may be contracted into one FMA, which rounds the exact product and
                 # so decides ties differently; 16-bit inputs hit exact ties (h / amax * 127 = k +
                 # 1/2) often. mul_rn is a multiply the compiler may not fuse.
-                if EXACT_MUL:
+                if IEEE:
                     v = libdevice.mul_rn(h, inv[:, None])
                 else:
                     v = h * inv[:, None]
@@ -113,7 +122,10 @@ if triton is not None:
                 acc += tl.dot(q, tl.trans(t), out_dtype=tl.int32)
         # 3. epilogue
         ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        y = acc.to(tl.float32) / inv[:, None] * ws[None, :]
+        if IEEE:
+            y = libdevice.div_rn(acc.to(tl.float32), inv[:, None]) * ws[None, :]
+        else:
+            y = acc.to(tl.float32) / inv[:, None] * ws[None, :]
         if HAS_BIAS:
             b = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             y += b[None, :] * (pid_k == 0).to(tl.float32)
@@ -125,7 +137,8 @@ if triton is not None:
             tl.store(o, y.to(out_ptr.dtype.element_ty), mask=om)
 
 
-# The interpreter multiplies with numpy (IEEE, never fused) and has no libdevice.
+# The interpreter computes with numpy (IEEE roundings, no fused multiply-add) and has no
+# libdevice; compiled code asks for IEEE roundings explicitly where the codes depend on them.
 _INTERPRETED = triton is not None and type(_bitlinear_kernel).__name__ == "InterpretedFunction"
 
 
@@ -173,7 +186,7 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
         x2, norm_weight if has_g else x2, w_packed, w_scale, bias if bias is not None else w_scale,
         out, M, N, K, kp // 4, k_per, x2.stride(0), float(eps or 0.0),
         HAS_NORM=has_norm, HAS_G=has_g, G_ROUND=g_round, HAS_BIAS=bias is not None,
-        ATOMIC=split > 1, EXACT_MUL=not _INTERPRETED, BLOCK_S=256, **cfg)
+        ATOMIC=split > 1, IEEE=not _INTERPRETED, BLOCK_S=256, **cfg)
     return out.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
