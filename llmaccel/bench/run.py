@@ -172,6 +172,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "passes": [p["name"] for p in model.recipe], "compiled": eng.compiled,
         "linear": eng.linear, "attn": eng.attn, "tune": tune, "max_len": max_len,
         "custom_ops": eng.report.custom, "custom_ops_rejected": sorted(eng.report.rejected),
+        "cpu_traced_ops": eng.report.cpu_traced,
         "decode_tok_s": batch * gen_len / gen_s,
         "prefill_tok_s": batch * prompt_len / prefill_s,
         "tpot_ms": 1e3 * gen_s / gen_len, "step_ms": step_s and 1e3 * step_s, "generate_s": gen_s,
@@ -259,4 +260,6 @@ def render(res: dict) -> str:
                      f"{res['gpu_ms_per_step']:.3f} ms/step")
     if res["custom_ops"]:
         lines.append("  custom ops: " + ", ".join(f"{k} x{v}" for k, v in res["custom_ops"].items()))
+    if res.get("cpu_traced_ops"):
+        lines.append("  CPU aten forms: " + ", ".join(f"{k} x{v}" for k, v in res["cpu_traced_ops"].items()))
     return "\n".join(lines)

@@ -59,6 +59,21 @@ def ir_op_name(node: torch.fx.Node) -> str | None:
     return node.target.__name__ if mod.startswith("llmaccel.ops") else None
 
 
+@functools.cache
+def cpu_traced_forms() -> dict:
+    """{IR op name: CPU form} from the kernel modules' CPU_TRACED tables.
+
+    A Python custom op costs ~80 us of dispatch per call on the CPU, more than a batch-1 GEMV
+    of a small model; a plain function calling aten ops directly is traced into the compiled
+    step and costs nothing extra there.
+    """
+    forms: dict = {}
+    for name, status in load_kernel_modules().items():
+        if status == "ok":
+            forms.update(getattr(importlib.import_module(f"llmaccel.kernels.{name}"), "CPU_TRACED", {}))
+    return forms
+
+
 def custom_op(namespace: str, name: str):
     ns = getattr(torch.ops, namespace)
     return getattr(ns, name) if hasattr(ns, name) else None
@@ -121,6 +136,7 @@ class LowerReport:
     rope: int = 0
     linear_rows: int = 0
     kernel_modules: dict[str, str] = field(default_factory=dict)
+    cpu_traced: dict[str, int] = field(default_factory=dict)  # op -> nodes on a traced CPU form
 
 
 def _retarget(node: torch.fx.Node, target) -> None:
@@ -149,7 +165,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     """
     rep = LowerReport()
     if select not in (None, "none"):
-        rep.kernel_modules = dict(load_kernel_modules())
+        rep.kernel_modules = dict(load_kernel_modules())  # registers the custom ops
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
@@ -186,6 +202,11 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             rep.rope += 1
             continue
         if name in _NOT_BY_NAME or not _wanted(name, select):
+            continue
+        traced = cpu_traced_forms().get(name) if device.type == "cpu" else None
+        if traced is not None:
+            _retarget(node, traced)
+            rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
             continue
         op = custom_op(namespace, name)
         if op is None:

@@ -139,13 +139,30 @@ def test_int8_k_not_multiple_of_4_falls_back_to_dot(ql):
     close(ql.linear_int8_triton(x, q8, s8, config=GEMV8), qo.linear_int8(x, q8, s8), torch.float32)
 
 
-def test_custom_ops_on_cpu_are_the_reference(ql):
+def test_custom_ops_on_cpu_match_the_reference(ql):
     qw, sc, zr = int4_weights(8, 64, 32)
     x = torch.randn(3, 64)
     torch.testing.assert_close(torch.ops.llmaccel.linear_int4(x, qw, sc, zr, None, group_size=32),
                                qo.linear_int4(x, qw, sc, zr, group_size=32))
-    q8, s8 = int8_weights(8, 64)
-    torch.testing.assert_close(torch.ops.llmaccel.linear_int8(x, q8, s8, None), qo.linear_int8(x, q8, s8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 64), (5, 96, 576), (2, 3, 7)])
+def test_int8_cpu_kernel_matches_the_reference(M, N, K, dtype):
+    # CPU int8 = aten's int8 weight-only GEMM: fp32 sums scaled once per row. Tolerance: fp32
+    # rounding in fp32; in bf16 the reference rounds the dequantized weight and the output to
+    # bf16 (2^-8 relative each), so allow a few bf16 roundings of the output's magnitude.
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s8 = (torch.rand(N, generator=g) * 0.02 + 0.001).to(dtype)
+    x = torch.randn(2, M, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    out = torch.ops.llmaccel.linear_int8(x, q8, s8, b)
+    want = qo.linear_int8(x.double(), q8, s8.double(), b.double())
+    assert out.dtype == dtype and out.shape == (2, M, N)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    scale = (x.double().abs() @ (q8.double().abs() * s8.double()[:, None]).T).amax() + 1
+    assert ((out.double() - want).abs() <= tol * scale).all()
 
 
 def test_dotasm_needs_bf16_cuda(ql):
@@ -228,3 +245,19 @@ def test_int8_cuda(M, K, N):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     out = torch.ops.llmaccel.linear_int8(x, q8, s8, None)
     close(out, qo.linear_int8(x.float(), q8, s8.float()), torch.bfloat16)
+
+
+def test_cpu_lowering_calls_the_int8_aten_form_directly():
+    from llmaccel.codegen.lower import lower
+    from llmaccel.compiler.pipeline import compile
+
+    m = compile("preset:tiny-llama", ["quant"], {"quant": {"bits": "8", "method": "rtn"}},
+                eval_tokens=0, progress=False)
+    low, rep = lower(m.gm, max_len=64)
+    assert rep.cpu_traced.get("linear_int8", 0) > 0 and "linear_int8" not in rep.custom, rep
+    ids = torch.randint(0, 512, (2, 9))
+    pos = torch.arange(9).expand(2, 9)
+    ref_out = m.gm(ids, pos, None)
+    out = low(ids, pos, None)
+    # fp32: the aten form sums products before scaling, the reference scales the weight first
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 * ref_out.abs().max().item())
