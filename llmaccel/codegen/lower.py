@@ -25,6 +25,7 @@ import torch.fx
 from llmaccel import ops
 from llmaccel.compiler.families import set_weight
 from llmaccel.ops.rope import rope_inv_freq
+from llmaccel.passes.ir import weight_of
 
 # IR ops that never map to a custom op by name: attention takes the attention context (a
 # Python object, not a tensor) and rope is lowered to the table form below.
@@ -60,8 +61,8 @@ def ir_op_name(node: torch.fx.Node) -> str | None:
 
 
 @functools.cache
-def cpu_traced_forms() -> dict:
-    """{IR op name: CPU form} from the kernel modules' CPU_TRACED tables.
+def cpu_forms(table: str) -> dict:
+    """{IR op name: CPU form} merged from the kernel modules' `table` (CPU_TRACED, CPU_PREPARED).
 
     A Python custom op costs ~80 us of dispatch per call on the CPU, more than a batch-1 GEMV
     of a small model; a plain function calling aten ops directly is traced into the compiled
@@ -70,8 +71,29 @@ def cpu_traced_forms() -> dict:
     forms: dict = {}
     for name, status in load_kernel_modules().items():
         if status == "ok":
-            forms.update(getattr(importlib.import_module(f"llmaccel.kernels.{name}"), "CPU_TRACED", {}))
+            forms.update(getattr(importlib.import_module(f"llmaccel.kernels.{name}"), table, {}))
     return forms
+
+
+def _prepare_on_cpu(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep) -> bool:
+    """Retarget a linear_int4-shaped node (x, w0, w1, w2, bias?) to a prepared CPU form."""
+    prepare, fn = form
+    stored = node.args[1:4]
+    if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored):
+        return False
+    out = prepare(*(weight_of(new, a) for a in stored), **node.kwargs)
+    if out is None:
+        return False
+    i = sum(rep.cpu_traced.values())
+    with new.graph.inserting_before(node):
+        attrs = []
+        for j, t in enumerate(out):
+            set_weight(new, f"_cpu{i}.w{j}", t)
+            attrs.append(new.graph.get_attr(f"_cpu{i}.w{j}"))
+    bias = node.args[4] if len(node.args) > 4 else None
+    node.args = (node.args[0], *attrs, bias)
+    _retarget(node, fn)
+    return True
 
 
 def custom_op(namespace: str, name: str):
@@ -203,11 +225,13 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             continue
         if name in _NOT_BY_NAME or not _wanted(name, select):
             continue
-        traced = cpu_traced_forms().get(name) if device.type == "cpu" else None
-        if traced is not None:
-            _retarget(node, traced)
-            rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
-            continue
+        if device.type == "cpu":
+            traced, prepared = cpu_forms("CPU_TRACED").get(name), cpu_forms("CPU_PREPARED").get(name)
+            if traced is not None:
+                _retarget(node, traced)
+            if traced is not None or (prepared is not None and _prepare_on_cpu(new, node, prepared, rep)):
+                rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
+                continue
         op = custom_op(namespace, name)
         if op is None:
             continue

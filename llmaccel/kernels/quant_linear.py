@@ -622,6 +622,40 @@ if not registered("linear_int8"):
     def _linear_int8_fake(x, qweight, scales, bias=None):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
-# The lowering calls this form directly on the CPU (traced into the compiled step; see
-# llmaccel/codegen/lower.py), not through the custom op.
+
+def prepare_int4_cpu(qweight, scales, zeros, group_size: int):
+    """(packed, scales_and_zeros) for aten's CPU int4 GEMM, or None where it does not apply.
+
+    aten computes w = (q - 8) * scale + zero_f with a float zero: ours is (q - z) * scale,
+    so zero_f = (8 - z) * scale. Its packing wants N a multiple of 16 and a group size of
+    32-256; K is the stored, group-padded width (x is zero-padded to it).
+    """
+    N, G, _ = qweight.shape
+    if N % 16 or group_size not in (32, 64, 128, 256) or not scales.is_floating_point():
+        return None
+    q = ref.unpack_int4(qweight).reshape(N, G * group_size).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    z = ref.unpack_int4(zeros)[:, :G].float()
+    s = scales.float()
+    sz = torch.stack([s.T, ((8 - z) * s).T], -1).to(scales.dtype).contiguous()
+    return packed, sz
+
+
+def linear_int4_cpu(x, packed, scales_and_zeros, bias=None, *, group_size: int):
+    """x @ W.T (+ bias) with W held as prepare_int4_cpu's output; aten's CPU int4 GEMM."""
+    kp = 2 * packed.shape[1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] != kp:
+        x2 = torch.nn.functional.pad(x2, (0, kp - x2.shape[-1]))
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, group_size,
+                                                   scales_and_zeros.to(x.dtype))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+# The lowering calls these forms directly on the CPU (traced into the compiled step; see
+# llmaccel/codegen/lower.py), not through the custom ops. A CPU_PREPARED form takes its stored
+# weights converted once, at lowering, by its prepare function (None: keep the op as it is).
 CPU_TRACED = {"linear_int8": linear_int8_cpu}
+CPU_PREPARED = {"linear_int4": (prepare_int4_cpu, linear_int4_cpu)}

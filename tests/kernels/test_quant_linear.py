@@ -261,3 +261,40 @@ def test_cpu_lowering_calls_the_int8_aten_form_directly():
     out = low(ids, pos, None)
     # fp32: the aten form sums products before scaling, the reference scales the weight first
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 * ref_out.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,gs", [(32, 128, 32), (48, 320, 64), (16, 576, 128)])
+def test_int4_cpu_form_matches_the_reference(N, K, gs, dtype):
+    # aten's CPU int4 GEMM on weights converted once (prepare_int4_cpu); K not a multiple of the
+    # group (576 in groups of 128) pads x. Tolerance: fp32 rounding in fp32; in bf16 the float
+    # zero (8 - z) * scale is rounded to bf16 and aten dequantizes in bf16 (2^-8 relative each).
+    from llmaccel.kernels.quant_linear import linear_int4_cpu, prepare_int4_cpu
+
+    qw, sc, zr = int4_weights(N, K, gs, dtype)
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(2, 3, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    packed, sz = prepare_int4_cpu(qw, sc, zr, gs)
+    out = linear_int4_cpu(x, packed, sz, b, group_size=gs)
+    want = qo.linear_int4(x.double(), qw, sc.double(), zr, b.double(), group_size=gs)
+    w = qo.dequantize_int4(qw, sc, zr, gs, torch.float64)[:, :K]
+    scale = (x.double().abs() @ w.abs().T).amax() + 1
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    assert out.dtype == dtype and out.shape == (2, 3, N)
+    assert ((out.double() - want).abs() <= tol * scale).all()
+    assert prepare_int4_cpu(qw[:8], sc[:8], zr[:8], gs) is None  # N not a multiple of 16: op stays
+
+
+def test_cpu_lowering_prepares_int4_weights_once():
+    from llmaccel.codegen.lower import lower
+    from llmaccel.compiler.pipeline import compile
+
+    m = compile("preset:tiny-llama", ["fuse", "quant"],
+                {"quant": {"bits": "4", "group_size": "32", "method": "rtn"}}, eval_tokens=0, progress=False)
+    low, rep = lower(m.gm, max_len=64)
+    assert rep.cpu_traced.get("linear_int4", 0) > 0 and "linear_int4" not in rep.custom, rep
+    ids = torch.randint(0, 512, (2, 9))
+    pos = torch.arange(9).expand(2, 9)
+    ref_out = m.gm(ids, pos, None)
+    torch.testing.assert_close(low(ids, pos, None), ref_out, rtol=1e-4, atol=1e-4 * ref_out.abs().max().item())
