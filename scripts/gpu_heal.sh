@@ -6,7 +6,8 @@
 # Usage: scripts/gpu_heal.sh [MINUTES] [OUTDIR] [JOBS...]
 #   MINUTES: wall-clock heal budget per job (heal.minutes; default 6), OUTDIR default out/heal-gpu,
 #   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all), each optionally followed by
-#   heal option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4).
+#   heal option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
+#   a variant reuses its base job's unhealed compile, so list the base job too for that column.
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in float32 (AdamW updates vanish in bf16 weights). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.

@@ -5,8 +5,8 @@ issue's "KV2 vs bf16 KV, llama-1b bs64, prompt 4096" case).
 
 The same requests (random prompt ids, greedy, no EOS) go through `LLM` twice: the source graph
 (a full-precision cache in --dtype) and the graph compiled with `kvquant` (`--bits`, default 2). Decode tok/s counts
-the output tokens after every request has its first token (prefill over) to the last one, over
-that time; the total counts every output token over the whole run. JSON goes to $OUT if set.
+the output tokens produced after every request has its first token (prefill over), over that
+time; the total counts every output token over the whole run. JSON goes to $OUT if set.
 """
 from __future__ import annotations
 
@@ -54,15 +54,19 @@ def run(kind: str, a) -> dict:
         if all_first is None and all(s.n_output > 0 for s in seqs):
             sync(a.device)
             all_first = time.perf_counter()
+            # requests admitted early have decoded while later ones were prefilling
+            n_first = sum(s.n_output for s in seqs)
     sync(a.device)
     end = time.perf_counter()
     n_out = sum(s.n_output for s in seqs)
+    if all_first is None:
+        raise SystemExit(f"{kind}: some request never produced a token")
     c = model.config
     full_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.dtype.itemsize  # K and V
     bad = [s.id for s in seqs if s.error is not None or s.n_output != a.gen]
     res = dict(kind=kind, passes=passes, requests=a.batch, prompt=a.prompt, gen=a.gen,
                prefill_s=round(all_first - t0, 3), decode_s=round(end - all_first, 3),
-               decode_tok_s=round(a.batch * (a.gen - 1) / (end - all_first), 1),
+               decode_tok_s=round((n_out - n_first) / (end - all_first), 1),
                total_output_tok_s=round(n_out / (end - t0), 1), steps=steps,
                kv_bytes_per_token=llm.metrics().get("kv_bytes_per_token", full_bytes), failed=bad,
                preemptions=llm.metrics().get("preemptions"))

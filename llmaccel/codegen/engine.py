@@ -89,13 +89,15 @@ class DecodeEngine:
         # writes the same K/V for those layers.
         self.cache = cache if cache is not None else StaticKVCache.for_graph(model.gm, batch, max_len,
                                                                                model.dtype, dev)
+        shared: dict = {}  # weights converted for CPU forms: one copy for all three lowerings
         self.prefill_gm, self.report = lower(model.gm, max_len=max_len, select=lower_ops,
-                                             last_only=True)
-        self.full_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops)
+                                             last_only=True, prepared=shared)
+        self.full_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, prepared=shared)
         self.decode_gm = self.full_gm
         self.compile_opts = {}
         if linear == "rows":
-            self.decode_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, linear="rows")
+            self.decode_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, linear="rows",
+                                      prepared=shared)
         # One position tensor per step, made once: no host-to-device copy inside the loop.
         self._pos = [p.clone() for p in torch.arange(max_len, device=dev).split(1)]
         self._prefill = _step_fn(self.prefill_gm, self.cache, "sdpa", greedy=True)

@@ -75,13 +75,20 @@ def cpu_forms(table: str) -> dict:
     return forms
 
 
-def _prepare_on_cpu(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep) -> bool:
-    """Retarget a linear_int4-shaped node (x, w0, w1, w2, bias?) to a prepared CPU form."""
+def _prepare_on_cpu(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
+                    prepared: dict) -> bool:
+    """Retarget a linear_int4-shaped node (x, w0, w1, w2, bias?) to a prepared CPU form.
+
+    `prepared` maps the stored weights' names to their converted tensors, so several lowerings
+    of one model (prefill, decode) share one converted copy."""
     prepare, fn = form
     stored = node.args[1:4]
     if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored):
         return False
-    out = prepare(*(weight_of(new, a) for a in stored), **node.kwargs)
+    key = (prepare, tuple(a.target for a in stored))
+    if key not in prepared:
+        prepared[key] = prepare(*(weight_of(new, a) for a in stored), **node.kwargs)
+    out = prepared[key]
     if out is None:
         return False
     i = sum(rep.cpu_traced.values())
@@ -93,6 +100,9 @@ def _prepare_on_cpu(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep) -
     bias = node.args[4] if len(node.args) > 4 else None
     node.args = (node.args[0], *attrs, bias)
     _retarget(node, fn)
+    for a in stored:  # the stored form stays on the model; this graph no longer reads it
+        if not a.users:
+            new.graph.erase_node(a)
     return True
 
 
@@ -177,15 +187,18 @@ def _wanted(name: str, select) -> bool:
 
 
 def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str = "mm",
-          last_only: bool = False, namespace: str = "llmaccel") -> tuple[torch.fx.GraphModule, LowerReport]:
+          last_only: bool = False, namespace: str = "llmaccel",
+          prepared: dict | None = None) -> tuple[torch.fx.GraphModule, LowerReport]:
     """A lowered copy of `gm` (weights shared, graph copied); `gm` itself is left unchanged.
 
     select: "all", "none" or a collection of IR op names to map to custom ops.
     linear: "mm" keeps F.linear for the remaining linears; "rows" uses `linear_rows`.
     max_len: positions the rope tables cover.
     last_only: the LM head sees only the last position (a prefill that only needs the next token).
+    prepared: weights converted for CPU forms, shared by the lowerings of one model (filled here).
     """
     rep = LowerReport()
+    prepared = {} if prepared is None else prepared
     if select not in (None, "none"):
         rep.kernel_modules = dict(load_kernel_modules())  # registers the custom ops
     graph = torch.fx.Graph()
@@ -226,10 +239,10 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         if name in _NOT_BY_NAME or not _wanted(name, select):
             continue
         if device.type == "cpu":
-            traced, prepared = cpu_forms("CPU_TRACED").get(name), cpu_forms("CPU_PREPARED").get(name)
+            traced, form = cpu_forms("CPU_TRACED").get(name), cpu_forms("CPU_PREPARED").get(name)
             if traced is not None:
                 _retarget(node, traced)
-            if traced is not None or (prepared is not None and _prepare_on_cpu(new, node, prepared, rep)):
+            if traced is not None or (form is not None and _prepare_on_cpu(new, node, form, rep, prepared)):
                 rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
                 continue
         op = custom_op(namespace, name)

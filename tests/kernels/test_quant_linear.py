@@ -292,8 +292,12 @@ def test_cpu_lowering_prepares_int4_weights_once():
 
     m = compile("preset:tiny-llama", ["fuse", "quant"],
                 {"quant": {"bits": "4", "group_size": "32", "method": "rtn"}}, eval_tokens=0, progress=False)
-    low, rep = lower(m.gm, max_len=64)
+    shared: dict = {}
+    low, rep = lower(m.gm, max_len=64, prepared=shared)
     assert rep.cpu_traced.get("linear_int4", 0) > 0 and "linear_int4" not in rep.custom, rep
+    low2, _ = lower(m.gm, max_len=64, last_only=True, prepared=shared)
+    assert low2._cpu0.w0.data_ptr() == low._cpu0.w0.data_ptr()  # one converted copy, reused
+    assert not any(n.op == "get_attr" and "qweight" in n.target for n in low.graph.nodes)
     ids = torch.randint(0, 512, (2, 9))
     pos = torch.arange(9).expand(2, 9)
     ref_out = m.gm(ids, pos, None)

@@ -146,10 +146,11 @@ def test_sampled_windows_continue_calibration_prompts_and_train():
     file_rows = {tuple(r.tolist()) for r in calib[:-2]}
     sampled = [r for r in train if tuple(r.tolist()) not in file_rows]
     assert len(sampled) == 5  # every calibration window kept, five sampled ones added
-    prompts = {tuple(r[:32].tolist()) for r in calib[:-2]}
-    assert all(tuple(r[:32].tolist()) in prompts for r in sampled)
-    # the source continues the prompt with its own tokens (a 512-token vocabulary at temperature 1)
-    assert all(not torch.equal(r[32:], calib[i, 32:]) for i, r in enumerate(sampled))
+    by_prompt = {tuple(r[:32].tolist()): r for r in calib[:-2]}
+    # each sampled window starts with a calibration window's first 32 tokens and goes on with
+    # the source's own tokens (a 512-token vocabulary at temperature 1), not that window's
+    assert all(tuple(r[:32].tolist()) in by_prompt for r in sampled)
+    assert all(not torch.equal(r[32:], by_prompt[tuple(r[:32].tolist())][32:]) for r in sampled)
     st = heal.run(m.gm, ctx).stats
     assert st["sampled_windows"] == 5 and st["kl_after"] < st["kl_before"]
     with pytest.raises(LlmaccelError, match="heal.sampled"):
