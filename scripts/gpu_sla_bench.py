@@ -25,18 +25,9 @@ CONFIGS = [(64, 32), (64, 64), (32, 32), (64, 16), (128, 32)]  # (chunk, block_d
 
 def bench(fn, reps: int = 50) -> float:
     """Median microseconds per call (CUDA events, after warm-up)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    from llmaccel.bench.run import cuda_time_us
+
+    return cuda_time_us(fn, reps=reps, warmup=5)
 
 
 def main() -> None:

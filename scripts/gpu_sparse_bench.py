@@ -22,18 +22,9 @@ SHAPES = {"smollm2-135m": (1536, 576), "llama-1b": (8192, 2048)}
 
 def bench(fn, reps: int = 200) -> float:
     """Median microseconds per call (CUDA events, after warm-up)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    from llmaccel.bench.run import cuda_time_us
+
+    return cuda_time_us(fn, reps=reps, warmup=10)
 
 
 def main() -> None:

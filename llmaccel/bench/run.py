@@ -45,6 +45,22 @@ def kv_bytes_per_step(gm: torch.fx.GraphModule, batch: int, context: float, elem
     return sum(2 * batch * kv * hd * context * elem_size for kv, hd in attention_layers(gm).values())
 
 
+def cuda_time_us(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median microseconds per call of `fn` on the current CUDA device (events, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float | None:
     """Device-to-device copy bandwidth (bytes read + written per second); None off CUDA."""
     if device.type != "cuda":

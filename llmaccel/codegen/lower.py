@@ -61,8 +61,8 @@ def ir_op_name(node: torch.fx.Node) -> str | None:
 
 
 @functools.cache
-def cpu_forms(table: str) -> dict:
-    """{IR op name: CPU form} merged from the kernel modules' `table` (CPU_TRACED, CPU_PREPARED).
+def cpu_forms() -> dict:
+    """{IR op name: (prepare, fn)} merged from the kernel modules' CPU_FORMS tables.
 
     A Python custom op costs ~80 us of dispatch per call on the CPU, more than a batch-1 GEMV
     of a small model; a plain function calling aten ops directly is traced into the compiled
@@ -71,17 +71,23 @@ def cpu_forms(table: str) -> dict:
     forms: dict = {}
     for name, status in load_kernel_modules().items():
         if status == "ok":
-            forms.update(getattr(importlib.import_module(f"llmaccel.kernels.{name}"), table, {}))
+            forms.update(getattr(importlib.import_module(f"llmaccel.kernels.{name}"), "CPU_FORMS", {}))
     return forms
 
 
-def _prepare_on_cpu(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
-                    prepared: dict) -> bool:
-    """Retarget a linear_int4-shaped node (x, w0, w1, w2, bias?) to a prepared CPU form.
+def _to_cpu_form(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
+                 prepared: dict) -> bool:
+    """Retarget `node` to a CPU form; whether it was.
 
-    `prepared` maps the stored weights' names to their converted tensors, so several lowerings
-    of one model (prefill, decode) share one converted copy."""
+    Without a prepare function fn takes the node's arguments as they are. With one, the node is
+    linear_int4-shaped (x, w0, w1, w2, bias?): prepare converts w0..w2 and fn reads what it
+    returns (None: the form does not apply). `prepared` maps the stored weights' names to
+    their converted tensors, so several lowerings of one model (prefill, decode) share one copy.
+    """
     prepare, fn = form
+    if prepare is None:
+        _retarget(node, fn)
+        return True
     stored = node.args[1:4]
     if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored):
         return False
@@ -238,13 +244,10 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             continue
         if name in _NOT_BY_NAME or not _wanted(name, select):
             continue
-        if device.type == "cpu":
-            traced, form = cpu_forms("CPU_TRACED").get(name), cpu_forms("CPU_PREPARED").get(name)
-            if traced is not None:
-                _retarget(node, traced)
-            if traced is not None or (form is not None and _prepare_on_cpu(new, node, form, rep, prepared)):
-                rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
-                continue
+        form = cpu_forms().get(name) if device.type == "cpu" else None
+        if form is not None and _to_cpu_form(new, node, form, rep, prepared):
+            rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
+            continue
         op = custom_op(namespace, name)
         if op is None:
             continue

@@ -655,7 +655,7 @@ def linear_int4_cpu(x, packed, scales_and_zeros, bias=None, *, group_size: int):
 
 
 # The lowering calls these forms directly on the CPU (traced into the compiled step; see
-# llmaccel/codegen/lower.py), not through the custom ops. A CPU_PREPARED form takes its stored
-# weights converted once, at lowering, by its prepare function (None: keep the op as it is).
-CPU_TRACED = {"linear_int8": linear_int8_cpu}
-CPU_PREPARED = {"linear_int4": (prepare_int4_cpu, linear_int4_cpu)}
+# llmaccel/codegen/lower.py), not through the custom ops: {op: (prepare, fn)}, where prepare
+# (if any) converts the op's stored weights once, at lowering, into what fn reads.
+CPU_FORMS = {"linear_int8": (None, linear_int8_cpu),
+             "linear_int4": (prepare_int4_cpu, linear_int4_cpu)}
