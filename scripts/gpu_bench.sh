@@ -74,7 +74,8 @@ for case in $CASES; do
 done
 
 # Variants of llama-1b bs1 while time is left: int4 weights (the quant_linear kernels), cuBLAS
-# linears instead of Inductor GEMVs, and the reference ops everywhere (no custom ops).
+# linears instead of Inductor GEMVs, the reference ops everywhere (no custom ops); and
+# smollm2-135m with the matmul decode attention instead of the fused kernel (grouped).
 L1="preset:llama-1b --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw"
 for v in $VARIANTS; do
   case $v in
@@ -83,7 +84,9 @@ for v in $VARIANTS; do
     mm) run "llmc_llama-1b_bs1_mm" 150 $PY -m llmaccel.bench $L1 --linear mm ;;
     nocustom) run "llmc_llama-1b_bs1_nocustom" 150 $PY -m llmaccel.bench $L1 --lower none ;;
     tune) run "llmc_llama-1b_bs1_tune" 200 $PY -m llmaccel.bench $L1 --tune ;;
-    *) echo "unknown variant $v (known: int4 mm nocustom tune)" ;;
+    grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
+            --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
+    *) echo "unknown variant $v (known: int4 mm nocustom tune grouped)" ;;
   esac
 done
 
@@ -111,7 +114,7 @@ for (shape, b), goal in goals.items():
           f"{fmt(ours.get('kernels_per_step'), 1):>10}{fmt(ours.get('gpu_ms_per_step'), 3):>8}"
           f"{fmt(ours.get('step_ms'), 3):>8}")
 for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_nocustom",
-              "llmc_llama-1b_bs1_tune"):
+              "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):
     r = by.get(label)
     if r is None or "error" in r:
         continue

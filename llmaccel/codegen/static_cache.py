@@ -6,6 +6,9 @@ static addresses. A forward is bound to the positions it computes (`bind(pos)`, 
 with index_copy_ and attends over the whole buffer under a mask that the positions define,
 so a decode step has the same shapes at every position and one CUDA graph replays them all.
 Stale entries past the current position are masked, so the cache never needs clearing.
+`fused` decode attention (one query per row) is one custom op per layer that writes k, v and
+attends over slots 0 .. pos only (llmaccel/kernels/static_attention.py); other forwards of a
+fused cache (prefill, speculative verification) run `grouped`.
 """
 from __future__ import annotations
 
@@ -13,10 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import llmaccel.kernels.static_attention  # noqa: F401  (registers llmaccel::static_decode_attention)
 from llmaccel.codegen.lower import attention_layers
 from llmaccel.ops.attention import merge_heads, split_heads
 
-ATTN_IMPLS = ("sdpa", "grouped")
+ATTN_IMPLS = ("sdpa", "grouped", "fused")
 
 
 class StaticKVCache(nn.Module):
@@ -56,10 +60,16 @@ class BoundCache:
     def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale):
         c = self.cache
         kc, vc = getattr(c, f"k{layer}"), getattr(c, f"v{layer}")
+        B, T = q.shape[0], q.shape[1]
+        if self.attn == "fused" and T == 1:
+            out = torch.ops.llmaccel.static_decode_attention(
+                q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
+                v.reshape(B, n_kv_heads, head_dim), kc, vc, self.pos, scale=scale)
+            return out.reshape(B, 1, n_heads * head_dim)
         kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
         vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
         qh = split_heads(q, n_heads, head_dim)
-        if self.attn == "grouped":
+        if self.attn in ("grouped", "fused"):
             out = grouped_attention(qh, kc, vc, self.mask, scale)
         else:
             out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,

@@ -137,6 +137,25 @@ if triton is not None:
                      acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
     @triton.jit
+    def _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+        """One block of keys k and values v (N, D), n_ok of them real, for query rows q (G, D)
+        in an online softmax: returns the running max, sum and (unnormalized) output."""
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_ok[None, :], qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_decode_kernel(Q, KC, VC, MID_O, MID_LSE, BT, LENS, scale, split_len,
                              sq_n, sq_h, sk_b, sk_s, sk_h, sbt, smo_s, smo_h, smo_p, sml_s, sml_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
@@ -166,21 +185,8 @@ if triton is not None:
             base = blk * sk_b + (offs_n % BS) * sk_s + kvh * sk_h
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(n_ok[None, :], qk * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
         has = l_i > 0
         acc = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -30,7 +30,8 @@ def _close(out, ref):
 
 @pytest.mark.parametrize("src,passes,attn", [
     ("preset:tiny-llama", [], "sdpa"), ("preset:tiny-llama", ["fuse"], "grouped"),
-    ("preset:tiny-gpt2", ["fuse"], "sdpa"), ("preset:tiny-gpt2", [], "grouped")])
+    ("preset:tiny-gpt2", ["fuse"], "sdpa"), ("preset:tiny-gpt2", [], "grouped"),
+    ("preset:tiny-llama", ["fuse"], "fused"), ("preset:tiny-gpt2", [], "fused")])
 def test_eager_lowered_matches_reference(src, passes, attn):
     ids = torch.randint(0, 512, (2, 11))
     ref = load(src).logits(ids)
@@ -38,15 +39,17 @@ def test_eager_lowered_matches_reference(src, passes, attn):
     _close(_stepwise(eng, ids, 6), ref)
 
 
-@pytest.mark.parametrize("src,backend,linear", [("preset:tiny-llama", "aot_eager", "rows"),
-                                                ("preset:tiny-gpt2", "eager", "mm")])
-def test_compiled_fullgraph_matches_reference(src, backend, linear):
+@pytest.mark.parametrize("src,backend,linear,attn", [("preset:tiny-llama", "aot_eager", "rows", "auto"),
+                                                     ("preset:tiny-gpt2", "eager", "mm", "auto"),
+                                                     ("preset:tiny-llama", "aot_eager", "rows", "fused")])
+def test_compiled_fullgraph_matches_reference(src, backend, linear, attn):
     torch._dynamo.reset()
     counters.clear()
     ids = torch.randint(0, 512, (2, 9))
     ref = load(src).logits(ids)
+    # fused: the cache-mutating custom op through functionalization (its CPU form is the reference)
     eng = DecodeEngine(compile(src, ["fuse"], progress=False), 2, 16, compile=True, backend=backend,
-                       linear=linear)
+                       linear=linear, attn=attn)
     _close(_stepwise(eng, ids, 5), ref)
     # one graph for the logits step, traced once: positions do not cause recompiles
     assert counters["stats"]["unique_graphs"] == 1

@@ -1,0 +1,168 @@
+"""Decode attention over the static KV cache, with the KV write folded in (one launch per layer).
+
+Cache layout (per layer, codegen/static_cache.py): k_cache, v_cache of shape
+(batch, n_kv_heads, max_len, head_dim); every row of the static batch decodes at the same
+position `pos`, a one-element device tensor (so a captured CUDA graph replays every step).
+
+  llmaccel::static_decode_attention(q (B, H, D), k, v (B, Hkv, D), k_cache, v_cache, pos, scale)
+      writes k, v at slot pos of each row and returns softmax(q K[0..pos]^T * scale) V[0..pos].
+
+The static decode step otherwise spends 5 launches per layer on this (the K and V writes, two
+batched matmuls and the masked softmax between them, all over the whole max_len buffer); at
+batch 1 on small models, launches are the cost. The Triton kernel reads only slots 0 .. pos - 1
+from the cache and takes the new token's k, v from registers (the same program also stores them
+to the cache, and no program reads slot pos, so there is no race). All query heads of a KV group
+are rows of one tile. Long caches are cut into splits run in parallel and merged by log-sum-exp
+(the paged kernel's reduce); the split count depends on max_len only, never on pos.
+CPU implementation: the reference (index_copy_ + masked attention); CUDA: Triton.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmaccel.kernels import cdiv, registered
+from llmaccel.ops.attention import attend_heads
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton
+    triton = None
+
+
+def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float) -> torch.Tensor:
+    """Reference: write k, v at pos, then attend over slots 0 .. pos (in q's dtype, fp32 softmax
+    as attend_heads does)."""
+    k_cache.index_copy_(2, pos.reshape(1), k[:, :, None, :].to(k_cache.dtype))
+    v_cache.index_copy_(2, pos.reshape(1), v[:, :, None, :].to(v_cache.dtype))
+    S = k_cache.shape[2]
+    mask = torch.arange(S, device=q.device) <= pos.reshape(1)
+    out = attend_heads(q[:, :, None, :], k_cache.to(q.dtype), v_cache.to(q.dtype), scale=scale,
+                       mask=mask[None, None, None, :])
+    return out[:, :, 0, :]
+
+
+if triton is not None:
+    from llmaccel.kernels.paged_attention import _paged_decode_reduce_kernel, _softmax_block
+
+    @triton.jit
+    def _static_decode_kernel(Q, K, V, KC, VC, POS, O, MID_O, MID_LSE, scale, split_len,
+                              sq_b, sq_h, sk_b, sk_h, sc_b, sc_h, sc_s, smo_s, smo_h, smo_p,
+                              sml_s, sml_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                              SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        P = tl.load(POS).to(tl.int32)
+        start = sp * split_len
+        stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < D
+        heads = kvh * GROUP + offs_g
+        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        cache = b * sc_b + kvh * sc_h
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < stop
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            ptr = cache + offs_n[:, None].to(tl.int64) * sc_s + offs_d[None, :]
+            k = tl.load(KC + ptr, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(VC + ptr, mask=kv_mask, other=0.0).to(q.dtype)
+            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
+        if (P >= sp * split_len) & (P < (sp + 1) * split_len):  # this split owns slot pos
+            kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
+            vn = tl.load(V + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
+            slot = cache + P.to(tl.int64) * sc_s + offs_d
+            tl.store(KC + slot, kn.to(KC.dtype.element_ty), mask=d_ok)
+            tl.store(VC + slot, vn.to(VC.dtype.element_ty), mask=d_ok)
+            # the new key and value in the cache's precision, as the reference reads them back
+            kn = kn.to(KC.dtype.element_ty).to(q.dtype).to(tl.float32)
+            vn = vn.to(VC.dtype.element_ty).to(q.dtype).to(tl.float32)
+            qk = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale
+            m_new = tl.maximum(m_i, qk)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
+            m_i = m_new
+        has = l_i > 0
+        acc = acc / tl.where(has, l_i, 1.0)[:, None]
+        om = g_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(MID_O + b * smo_s + heads[:, None] * smo_h + sp * smo_p + offs_d[None, :], acc,
+                     mask=om)
+            tl.store(MID_LSE + b * sml_s + heads * sml_h + sp, lse, mask=g_ok)
+        else:
+            tl.store(O + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+                     acc.to(O.dtype.element_ty), mask=om)
+
+
+def static_splits(batch: int, n_kv: int, max_len: int, num_sms: int = 132) -> int:
+    """Splits of the cache: enough programs to fill the GPU, none shorter than 512 slots."""
+    want = cdiv(2 * num_sms, max(1, batch * n_kv))
+    return max(1, min(want, cdiv(max_len, 512)))
+
+
+def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float,
+                         num_splits: int | None = None) -> torch.Tensor:
+    B, H, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape or H % Hkv or \
+            k.shape != (B, Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"static decode attention: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"cache {tuple(k_cache.shape)} disagree")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("static decode attention: the caches must be contiguous")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    n = num_splits or static_splits(B, Hkv, S)
+    split_len = cdiv(cdiv(S, n), BLOCK_N) * BLOCK_N
+    n = cdiv(S, split_len)
+    G = H // Hkv
+    if n > 1:
+        mid_o = torch.empty((B, H, n, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H, n), dtype=torch.float32, device=q.device)
+    else:
+        mid_o, mid_lse = out, out  # unused
+    _static_decode_kernel[(B, Hkv, n)](
+        q, k, v, k_cache, v_cache, pos, out, mid_o, mid_lse, scale, split_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if n > 1 else 0,
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
+        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32)
+    if n > 1:
+        _paged_decode_reduce_kernel[(B, H)](
+            mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            D=D, BLOCK_D=BLOCK_D, BLOCK_P=max(2, triton.next_power_of_2(n)))
+    return out
+
+
+if not registered("static_decode_attention"):
+    @torch.library.custom_op("llmaccel::static_decode_attention", mutates_args=("k_cache", "v_cache"))
+    def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
+                                scale: float) -> torch.Tensor:
+        """Write k, v (B, Hkv, D) at slot pos, then attend q (B, H, D) over slots 0 .. pos."""
+        return static_decode_ref(q, k, v, k_cache, v_cache, pos, scale)
+
+    @static_decode_attention.register_fake
+    def _(q, k, v, k_cache, v_cache, pos, *, scale):
+        return torch.empty_like(q)
+
+    if triton is not None:
+        @static_decode_attention.register_kernel("cuda")
+        def _(q, k, v, k_cache, v_cache, pos, *, scale):
+            return static_decode_triton(q, k, v, k_cache, v_cache, pos, scale)
