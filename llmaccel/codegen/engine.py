@@ -84,8 +84,10 @@ class DecodeEngine:
             # GEMV reductions only pay off when Inductor fuses them, i.e. compiled, at few rows
             linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH else "mm"
         self.linear = linear
-        # fused: one launch per layer for the decode attention and its KV write (Triton)
-        self.attn = ("fused" if cuda else "grouped") if attn == "auto" else attn
+        # CUDA: one launch per layer for the decode attention and its KV write (Triton); CPU:
+        # SDPA's fused kernel over the masked buffer, 6-10% faster per W4 SmolLM2 step than the
+        # grouped matmuls there
+        self.attn = ("fused" if cuda else "sdpa") if attn == "auto" else attn
         # A draft that is the target's first layers passes the target's cache: it reads and
         # writes the same K/V for those layers.
         self.cache = cache if cache is not None else StaticKVCache.for_graph(model.gm, batch, max_len,
