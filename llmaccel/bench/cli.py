@@ -47,8 +47,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lower", default="all", help="IR ops to map to llmaccel:: custom ops: all | none | op,op")
     p.add_argument("--linear", default="auto", choices=["auto", "mm", "rows"],
                    help="decode linears: mm (cuBLAS) or rows (Inductor GEMV); auto: rows at batch <= 4 on CUDA")
-    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "grouped", "fused"],
-                   help="decode attention over the static cache (auto: fused on CUDA, sdpa on the CPU)")
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "grouped", "fused", "rows"],
+                   help="decode attention over the static cache (auto: fused on CUDA, rows on the CPU)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--speculative", default=None, metavar="DRAFT",
                    help="also run greedy speculative decoding (batch 1): ngram | self:N (first N layers); "

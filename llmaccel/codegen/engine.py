@@ -85,9 +85,9 @@ class DecodeEngine:
             linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH else "mm"
         self.linear = linear
         # CUDA: one launch per layer for the decode attention and its KV write (Triton); CPU:
-        # SDPA's fused kernel over the masked buffer, 6-10% faster per W4 SmolLM2 step than the
-        # grouped matmuls there
-        self.attn = ("fused" if cuda else "sdpa") if attn == "auto" else attn
+        # products and sums that Inductor fuses into C++ loops (SDPA and the grouped matmuls
+        # cost more per call than the work at one query: W4 SmolLM2 steps 14-35% longer)
+        self.attn = ("fused" if cuda else "rows") if attn == "auto" else attn
         # A draft that is the target's first layers passes the target's cache: it reads and
         # writes the same K/V for those layers.
         self.cache = cache if cache is not None else StaticKVCache.for_graph(model.gm, batch, max_len,

@@ -8,7 +8,8 @@ so a decode step has the same shapes at every position and one CUDA graph replay
 Stale entries past the current position are masked, so the cache never needs clearing.
 `fused` decode attention (one query per row) is one custom op per layer that writes k, v and
 attends over slots 0 .. pos only (llmaccel/kernels/static_attention.py); other forwards of a
-fused cache (prefill, speculative verification) run `grouped`.
+fused cache (prefill, speculative verification) run `grouped`. `rows` (the CPU default) writes
+the decode attention as broadcast products and sums that Inductor compiles into fused loops.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import llmaccel.kernels.static_attention  # noqa: F401  (registers llmaccel::sta
 from llmaccel.codegen.lower import attention_layers
 from llmaccel.ops.attention import merge_heads, split_heads
 
-ATTN_IMPLS = ("sdpa", "grouped", "fused")
+ATTN_IMPLS = ("sdpa", "grouped", "fused", "rows")
 
 
 class StaticKVCache(nn.Module):
@@ -69,7 +70,9 @@ class BoundCache:
         kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
         vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
         qh = split_heads(q, n_heads, head_dim)
-        if self.attn in ("grouped", "fused"):
+        if self.attn == "rows" and T == 1:
+            out = rows_attention(qh, kc, vc, self.mask, scale)
+        elif self.attn in ("grouped", "fused", "rows"):
             out = grouped_attention(qh, kc, vc, self.mask, scale)
         else:
             out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,
@@ -93,3 +96,18 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     p = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(p, v.to(q.dtype))
     return out.view(B, Hkv, G, T, D).reshape(B, H, T, D)
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """One query per row as broadcast products and sums, in fp32, which Inductor compiles into
+    a few fused loops (no matmul or SDPA call: at one query, their per-call cost on a CPU is
+    larger than the work). q (B, H, 1, D), k/v (B, Hkv, S, D), mask (1, S) bool."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, 1, D).float()
+    scores = (qg * k[:, :, None].float()).sum(-1) * scale  # (B, Hkv, G, S)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = (p[..., None] * v[:, :, None].float()).sum(-2)  # (B, Hkv, G, D)
+    return out.reshape(B, H, 1, D).to(q.dtype)

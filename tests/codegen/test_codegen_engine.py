@@ -31,7 +31,8 @@ def _close(out, ref):
 @pytest.mark.parametrize("src,passes,attn", [
     ("preset:tiny-llama", [], "sdpa"), ("preset:tiny-llama", ["fuse"], "grouped"),
     ("preset:tiny-gpt2", ["fuse"], "sdpa"), ("preset:tiny-gpt2", [], "grouped"),
-    ("preset:tiny-llama", ["fuse"], "fused"), ("preset:tiny-gpt2", [], "fused")])
+    ("preset:tiny-llama", ["fuse"], "fused"), ("preset:tiny-gpt2", [], "fused"),
+    ("preset:tiny-llama", ["fuse"], "rows")])
 def test_eager_lowered_matches_reference(src, passes, attn):
     ids = torch.randint(0, 512, (2, 11))
     ref = load(src).logits(ids)
@@ -41,7 +42,8 @@ def test_eager_lowered_matches_reference(src, passes, attn):
 
 @pytest.mark.parametrize("src,backend,linear,attn", [("preset:tiny-llama", "aot_eager", "rows", "auto"),
                                                      ("preset:tiny-gpt2", "eager", "mm", "auto"),
-                                                     ("preset:tiny-llama", "aot_eager", "rows", "fused")])
+                                                     ("preset:tiny-llama", "aot_eager", "rows", "fused"),
+                                                     ("preset:tiny-llama", "aot_eager", "mm", "rows")])
 def test_compiled_fullgraph_matches_reference(src, backend, linear, attn):
     torch._dynamo.reset()
     counters.clear()
