@@ -133,10 +133,8 @@ def main() -> None:
         reads.sort(key=lambda r: r["us"])
         exp = ref.linear_int4(x.float(), W["qw"], W["sc"].float(), W["zr"], group_size=128)
 
-        def call(cfg):
-            return lambda j: (lambda: ql.linear_int4_triton(x, c4[j]["qw"], c4[j]["sc"], c4[j]["zr"],
-                                                            group_size=128, config=cfg))
-        t_def = time_graph(call(None), len(c4))
+        t_def = time_graph(lambda j: (lambda: ql.linear_int4_triton(
+            x, c4[j]["qw"], c4[j]["sc"], c4[j]["zr"], group_size=128)), len(c4))
         err_def = rel_err(ql.linear_int4_triton(x, W["qw"], W["sc"], W["zr"], group_size=128), exp)
         rows.append(dict(shape=f"{K}x{N}", K=K, N=N, bytes_int4=b4, bytes_bf16=b16, bf16_us=t16 * 1e6,
                          copy_us=t_copy * 1e6, read_best=reads[:3], int4_default_us=t_def * 1e6,

@@ -72,7 +72,7 @@ class BoundCache:
         qh = split_heads(q, n_heads, head_dim)
         if self.attn == "rows" and T == 1:
             out = rows_attention(qh, kc, vc, self.mask, scale)
-        elif self.attn in ("grouped", "fused", "rows"):
+        elif self.attn != "sdpa":  # grouped, and the forwards of more than one query
             out = grouped_attention(qh, kc, vc, self.mask, scale)
         else:
             out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,

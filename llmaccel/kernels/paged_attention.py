@@ -156,6 +156,29 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _group_queries(Q, kvh, sq_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+        """The query rows of KV head kvh's group as one (BLOCK_G, BLOCK_D) tile (Q points at the
+        sequence's row), so K and V are read once per group; with their head ids and masks."""
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < D
+        heads = kvh * GROUP + offs_g
+        q = tl.load(Q + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        return q, heads, offs_d, g_ok, d_ok
+
+    @triton.jit
+    def _softmax_result(acc, l_i, m_i):
+        """The normalized output of an online softmax and its log-sum-exp (-inf for rows that
+        saw no key), what a split hands to the reduce."""
+        has = l_i > 0
+        acc = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        return acc, lse
+
+    @triton.jit
     def _paged_decode_kernel(Q, KC, VC, MID_O, MID_LSE, BT, LENS, scale, split_len,
                              sq_n, sq_h, sk_b, sk_s, sk_h, sbt, smo_s, smo_h, smo_p, sml_s, sml_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
@@ -167,14 +190,7 @@ if triton is not None:
         L = tl.load(LENS + s)
         start = sp * split_len
         stop = tl.minimum(start + split_len, L)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_ok = offs_g < GROUP
-        d_ok = offs_d < D
-        heads = kvh * GROUP + offs_g
-        # All query heads of this KV head are rows of one tile, so K and V are read once per group.
-        q = tl.load(Q + s * sq_n + heads[:, None] * sq_h + offs_d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q, heads, offs_d, g_ok, d_ok = _group_queries(Q + s * sq_n, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -187,9 +203,7 @@ if triton is not None:
             k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
-        has = l_i > 0
-        acc = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        acc, lse = _softmax_result(acc, l_i, m_i)
         tl.store(MID_O + s * smo_s + heads[:, None] * smo_h + sp * smo_p + offs_d[None, :], acc,
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(MID_LSE + s * sml_s + heads * sml_h + sp, lse, mask=g_ok)

@@ -43,7 +43,8 @@ def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float) -> torch.Ten
 
 
 if triton is not None:
-    from llmaccel.kernels.paged_attention import _paged_decode_reduce_kernel, _softmax_block
+    from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
+                                                  _softmax_block, _softmax_result)
 
     @triton.jit
     def _static_decode_kernel(Q, K, V, KC, VC, POS, O, MID_O, MID_LSE, scale, split_len,
@@ -57,13 +58,7 @@ if triton is not None:
         P = tl.load(POS).to(tl.int32)
         start = sp * split_len
         stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_ok = offs_g < GROUP
-        d_ok = offs_d < D
-        heads = kvh * GROUP + offs_g
-        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
         cache = b * sc_b + kvh * sc_h
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -92,11 +87,9 @@ if triton is not None:
             l_i = l_i * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
             m_i = m_new
-        has = l_i > 0
-        acc = acc / tl.where(has, l_i, 1.0)[:, None]
+        acc, lse = _softmax_result(acc, l_i, m_i)
         om = g_ok[:, None] & d_ok[None, :]
         if SPLIT:
-            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(MID_O + b * smo_s + heads[:, None] * smo_h + sp * smo_p + offs_d[None, :], acc,
                      mask=om)
             tl.store(MID_LSE + b * sml_s + heads * sml_h + sp, lse, mask=g_ok)
@@ -133,12 +126,12 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float,
         mid_o = torch.empty((B, H, n, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, n), dtype=torch.float32, device=q.device)
     else:
-        mid_o, mid_lse = out, out  # unused
+        mid_o, mid_lse = out, out  # unused (SPLIT=False); any tensors with the strides read
     _static_decode_kernel[(B, Hkv, n)](
         q, k, v, k_cache, v_cache, pos, out, mid_o, mid_lse, scale, split_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if n > 1 else 0,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32)
