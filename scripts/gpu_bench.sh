@@ -102,7 +102,7 @@ def tok(label):
 fmt = lambda v, p=0: "-" if v is None else f"{v:,.{p}f}"
 print()
 print(f"{'case':<20}{'llmc':>10}{'fast peer':>11}{'HF eager':>10}{'llmc/fast':>10}{'goal':>8}"
-      f"{'roofline':>10}{'% roof':>8}{'kern/step':>10}{'GPU ms':>8}{'step ms':>8}")
+      f"{'roofline':>10}{'% roof':>8}{'kern/step':>10}{'GPU ms':>8}{'step ms':>8}{'prefill ms':>11}")
 for (shape, b), goal in goals.items():
     ours = by.get(f"llmc_{shape}_bs{b}", {})
     peer = shape.removesuffix("-int4")  # int4 is compared with the bf16 peer
@@ -112,7 +112,8 @@ for (shape, b), goal in goals.items():
     print(f"{shape + ' bs' + str(b):<20}{fmt(o):>10}{fmt(f):>11}{fmt(h):>10}{ratio:>10}{goal:>8,}"
           f"{fmt(ours.get('roofline_tok_s')):>10}{fmt(frac and 100 * frac, 1):>8}"
           f"{fmt(ours.get('kernels_per_step'), 1):>10}{fmt(ours.get('gpu_ms_per_step'), 3):>8}"
-          f"{fmt(ours.get('step_ms'), 3):>8}")
+          f"{fmt(ours.get('step_ms'), 3):>8}"
+          f"{fmt(ours.get('prefill_tok_s') and b * ours['prompt'] / ours['prefill_tok_s'] * 1e3, 2):>11}")
 for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_nocustom",
               "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):
     r = by.get(label)

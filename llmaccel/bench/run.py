@@ -105,7 +105,8 @@ def profile_decode(eng: DecodeEngine, ids: torch.Tensor, steps: int = 8) -> dict
     rows.sort(key=lambda r: -r[2])
     return {"kernels_per_step": sum(r[1] for r in rows),
             "gpu_ms_per_step": sum(r[2] for r in rows),
-            "top_kernels": [{"name": n[:80], "per_step": c, "ms": round(ms, 4)} for n, c, ms in rows[:10]]}
+            "top_kernels": [{"name": n[:80], "per_step": c, "ms": round(ms, 4)} for n, c, ms in rows[:10]],
+            "kernels": [{"name": n[:160], "per_step": c, "ms": round(ms, 5)} for n, c, ms in rows]}
 
 
 def _sync(device: torch.device) -> None:

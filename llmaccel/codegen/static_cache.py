@@ -10,6 +10,8 @@ Stale entries past the current position are masked, so the cache never needs cle
 attends over slots 0 .. pos only (llmaccel/kernels/static_attention.py); other forwards of a
 fused cache (prefill, speculative verification) run `grouped`. `rows` (the CPU default) writes
 the decode attention as broadcast products and sums that Inductor compiles into fused loops.
+`fuse_rope` hands q and k to a fused decode attention before their rotary embedding, which the
+kernel applies (one launch per layer for RoPE, the KV write and attention).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import llmaccel.kernels.static_attention  # noqa: F401  (registers llmaccel::static_decode_attention)
-from llmaccel.codegen.lower import attention_layers
+from llmaccel import ops
+from llmaccel.codegen.lower import attention_layers, rope_table
 from llmaccel.ops.attention import merge_heads, split_heads
 
 ATTN_IMPLS = ("sdpa", "grouped", "fused", "rows")
@@ -58,15 +61,21 @@ class BoundCache:
         # Query at position p sees slots 0 .. p; computed once, shared by every layer.
         self.mask = cache.slots[None, :] <= pos[:, None]
 
-    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale):
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None):
+        """rope: None, or (cos, sin, positions) when q and k still lack their rotary embedding
+        (graphs rewritten by `fuse_rope`)."""
         c = self.cache
         kc, vc = getattr(c, f"k{layer}"), getattr(c, f"v{layer}")
         B, T = q.shape[0], q.shape[1]
         if self.attn == "fused" and T == 1:
+            tables = rope[:2] if rope is not None else (None, None)
             out = torch.ops.llmaccel.static_decode_attention(
                 q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
-                v.reshape(B, n_kv_heads, head_dim), kc, vc, self.pos, scale=scale)
+                v.reshape(B, n_kv_heads, head_dim), kc, vc, self.pos, *tables, scale=scale)
             return out.reshape(B, 1, n_heads * head_dim)
+        if rope is not None:
+            q = rope_table(q, *rope, head_dim=head_dim)
+            k = rope_table(k, *rope, head_dim=head_dim)
         kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
         vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
         qh = split_heads(q, n_heads, head_dim)
@@ -78,6 +87,48 @@ class BoundCache:
             out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,
                                                  scale=scale, enable_gqa=n_heads != n_kv_heads)
         return merge_heads(out)
+
+
+def attention_rope(q, k, v, ctx, cos, sin, positions, *, layer: int, n_heads: int, n_kv_heads: int,
+                   head_dim: int, scale: float) -> torch.Tensor:
+    """ops.attention with q and k before their rotary embedding (cos / sin tables by position)."""
+    return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                      scale=scale, rope=(cos, sin, positions))
+
+
+def _same(a):
+    """What identifies a node argument: the stored tensor a get_attr reads (each rope node reads
+    the tables through its own get_attr), else the node itself."""
+    return ("attr", a.target) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a
+
+
+def fuse_rope(gm: torch.fx.GraphModule) -> int:
+    """Rewrite attention(rope_table(q), rope_table(k), v) into attention_rope(q, k, v, tables) in
+    a lowered graph, in place, where both rotations read the same tables and positions and feed
+    only the attention; returns how many attention nodes were rewritten."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not ops.attention:
+            continue
+        rq, rk = node.args[0], node.args[1]
+        if not all(isinstance(r, torch.fx.Node) and r.target is rope_table and len(r.users) == 1
+                   for r in (rq, rk)):
+            continue
+        if [_same(a) for a in rq.args[1:]] != [_same(a) for a in rk.args[1:]] or rq.kwargs != rk.kwargs:
+            continue
+        cos, sin, positions = rq.args[1:4]
+        node.target = attention_rope
+        node.args = (rq.args[0], rk.args[0], node.args[2], node.args[3], cos, sin, positions)
+        for r in (rq, rk):
+            gm.graph.erase_node(r)
+        for a in rk.args[1:3]:  # the second rotation's own reads of the tables
+            if isinstance(a, torch.fx.Node) and a.op == "get_attr" and not a.users:
+                gm.graph.erase_node(a)
+        n += 1
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    return n
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

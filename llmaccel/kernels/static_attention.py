@@ -4,8 +4,12 @@ Cache layout (per layer, codegen/static_cache.py): k_cache, v_cache of shape
 (batch, n_kv_heads, max_len, head_dim); every row of the static batch decodes at the same
 position `pos`, a one-element device tensor (so a captured CUDA graph replays every step).
 
-  llmaccel::static_decode_attention(q (B, H, D), k, v (B, Hkv, D), k_cache, v_cache, pos, scale)
+  llmaccel::static_decode_attention(q (B, H, D), k, v (B, Hkv, D), k_cache, v_cache, pos,
+                                    cos=None, sin=None, *, scale)
       writes k, v at slot pos of each row and returns softmax(q K[0..pos]^T * scale) V[0..pos].
+      With cos / sin tables (max_len, D), fp32, q and k arrive without their rotary embedding
+      and the kernel applies it at row pos (rotate-half layout, as ops.rope): the three
+      pointwise launches per layer that rotate q and k and lay them out for the op go away.
 
 The static decode step otherwise spends 5 launches per layer on this (the K and V writes, two
 batched matmuls and the masked softmax between them, all over the whole max_len buffer); at
@@ -30,9 +34,22 @@ except ImportError:  # the reference works without triton
     triton = None
 
 
-def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float) -> torch.Tensor:
-    """Reference: write k, v at pos, then attend over slots 0 .. pos (in q's dtype, fp32 softmax
-    as attend_heads does)."""
+def rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (B, heads, D) at position pos, rotate-half layout: the tables are
+    rounded to x's dtype as ops.rope does, the products and the sum are taken in fp32 and
+    rounded once (as a compiled rope and the kernel compute it)."""
+    c = cos[pos.reshape(1)].to(x.dtype).float()
+    s = sin[pos.reshape(1)].to(x.dtype).float()
+    h = x.float()
+    x1, x2 = h.chunk(2, dim=-1)
+    return (h * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype)
+
+
+def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None) -> torch.Tensor:
+    """Reference: (rotate q and k at pos,) write k, v at pos, then attend over slots 0 .. pos
+    (in q's dtype, fp32 softmax as attend_heads does)."""
+    if cos is not None:
+        q, k = rope_at(q, cos, sin, pos), rope_at(k, cos, sin, pos)
     k_cache.index_copy_(2, pos.reshape(1), k[:, :, None, :].to(k_cache.dtype))
     v_cache.index_copy_(2, pos.reshape(1), v[:, :, None, :].to(v_cache.dtype))
     S = k_cache.shape[2]
@@ -47,11 +64,23 @@ if triton is not None:
                                                   _softmax_block, _softmax_result)
 
     @triton.jit
-    def _static_decode_kernel(Q, K, V, KC, VC, POS, O, MID_O, MID_LSE, scale, split_len,
-                              sq_b, sq_h, sk_b, sk_h, sc_b, sc_h, sc_s, smo_s, smo_h, smo_p,
+    def _rotate(x, X, rows, s_row, offs_d, ok, c, s, D: tl.constexpr):
+        """x (rows at X + rows * s_row) with its rotary embedding: x * c + rotate_half(x) * s in
+        fp32 (c, s the table rows at pos, rounded to x's dtype), rounded to x's dtype once."""
+        HALF: tl.constexpr = D // 2
+        low = offs_d < HALF
+        partner = tl.where(low, offs_d + HALF, offs_d - HALF)
+        xp = tl.load(X + rows * s_row + partner, mask=ok, other=0.0).to(tl.float32)
+        rot = tl.where(low, -xp, xp)
+        return (x.to(tl.float32) * c + rot * s).to(x.dtype)
+
+    @triton.jit
+    def _static_decode_kernel(Q, K, V, KC, VC, POS, O, MID_O, MID_LSE, COS, SIN, scale, split_len,
+                              sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_b, sc_h, sc_s, s_cos,
+                              so_b, so_h, smo_s, smo_h, smo_p,
                               sml_s, sml_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                              SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                              SPLIT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -59,6 +88,11 @@ if triton is not None:
         start = sp * split_len
         stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
         q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
+        if ROPE:
+            c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
+            s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
+            q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
+                        g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
         cache = b * sc_b + kvh * sc_h
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -73,7 +107,9 @@ if triton is not None:
             m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
         if (P >= sp * split_len) & (P < (sp + 1) * split_len):  # this split owns slot pos
             kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
-            vn = tl.load(V + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
+            vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=d_ok, other=0.0)
+            if ROPE:
+                kn = _rotate(kn, K + b * sk_b, kvh, sk_h, offs_d, d_ok, c, s, D)
             slot = cache + P.to(tl.int64) * sc_s + offs_d
             tl.store(KC + slot, kn.to(KC.dtype.element_ty), mask=d_ok)
             tl.store(VC + slot, vn.to(VC.dtype.element_ty), mask=d_ok)
@@ -94,7 +130,7 @@ if triton is not None:
                      mask=om)
             tl.store(MID_LSE + b * sml_s + heads * sml_h + sp, lse, mask=g_ok)
         else:
-            tl.store(O + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+            tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :],
                      acc.to(O.dtype.element_ty), mask=om)
 
 
@@ -104,8 +140,15 @@ def static_splits(batch: int, n_kv: int, max_len: int, num_sms: int = 132) -> in
     return max(1, min(want, cdiv(max_len, 512)))
 
 
-def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float,
-                         num_splits: int | None = None) -> torch.Tensor:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride along head_dim: views of a fused qkv output (B, heads, D) are read
+    in place (no copy launch); anything else is made contiguous."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None,
+                         num_splits: int | None = None, block_n: int | None = None,
+                         num_warps: int = 4) -> torch.Tensor:
     B, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape or H % Hkv or \
@@ -114,10 +157,15 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float,
                          f"cache {tuple(k_cache.shape)} disagree")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("static decode attention: the caches must be contiguous")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    rope = cos is not None
+    if rope and (sin is None or cos.shape != sin.shape or cos.shape[-1] != D or D % 2
+                 or cos.shape[0] < S or not (cos.is_contiguous() and sin.is_contiguous())):
+        raise ValueError(f"static decode attention: rope tables {tuple(cos.shape)} do not cover "
+                         f"{S} positions of head_dim {D}")
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
     n = num_splits or static_splits(B, Hkv, S)
     split_len = cdiv(cdiv(S, n), BLOCK_N) * BLOCK_N
     n = cdiv(S, split_len)
@@ -127,14 +175,16 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float,
         mid_lse = torch.empty((B, H, n), dtype=torch.float32, device=q.device)
     else:
         mid_o, mid_lse = out, out  # unused (SPLIT=False); any tensors with the strides read
+    tables = (cos, sin) if rope else (q, q)  # unused without ROPE
     _static_decode_kernel[(B, Hkv, n)](
-        q, k, v, k_cache, v_cache, pos, out, mid_o, mid_lse, scale, split_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k, v, k_cache, v_cache, pos, out, mid_o, mid_lse, *tables, scale, split_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0) if rope else 0,
+        out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
-        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32)
+        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32, ROPE=rope, num_warps=num_warps)
     if n > 1:
         _paged_decode_reduce_kernel[(B, H)](
             mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -146,16 +196,18 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float,
 if not registered("static_decode_attention"):
     @torch.library.custom_op("llmaccel::static_decode_attention", mutates_args=("k_cache", "v_cache"))
     def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
                                 scale: float) -> torch.Tensor:
-        """Write k, v (B, Hkv, D) at slot pos, then attend q (B, H, D) over slots 0 .. pos."""
-        return static_decode_ref(q, k, v, k_cache, v_cache, pos, scale)
+        """(Rotate q, k at pos with the cos / sin tables,) write k, v (B, Hkv, D) at slot pos,
+        then attend q (B, H, D) over slots 0 .. pos."""
+        return static_decode_ref(q, k, v, k_cache, v_cache, pos, scale, cos, sin)
 
     @static_decode_attention.register_fake
-    def _(q, k, v, k_cache, v_cache, pos, *, scale):
-        return torch.empty_like(q)
+    def _(q, k, v, k_cache, v_cache, pos, cos=None, sin=None, *, scale):
+        return q.new_empty(q.shape)
 
     if triton is not None:
         @static_decode_attention.register_kernel("cuda")
-        def _(q, k, v, k_cache, v_cache, pos, *, scale):
-            return static_decode_triton(q, k, v, k_cache, v_cache, pos, scale)
+        def _(q, k, v, k_cache, v_cache, pos, cos=None, sin=None, *, scale):
+            return static_decode_triton(q, k, v, k_cache, v_cache, pos, scale, cos, sin)

@@ -37,6 +37,9 @@ def test_eager_lowered_matches_reference(src, passes, attn):
     ids = torch.randint(0, 512, (2, 11))
     ref = load(src).logits(ids)
     eng = DecodeEngine(compile(src, passes, progress=False), 2, 16, compile=False, attn=attn)
+    # fused: q and k reach the attention kernel unrotated (RoPE inside), gpt2 has no rope
+    n_rope = eng.model.config.n_layers if attn == "fused" and "llama" in src else 0
+    assert eng.rope_fused == n_rope
     _close(_stepwise(eng, ids, 6), ref)
 
 
