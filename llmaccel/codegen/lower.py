@@ -8,7 +8,9 @@
   traced step would keep CUDA graphs from capturing it
 - optionally, linear becomes a reduction `(x * w).sum(-1)`: at one or a few rows Inductor emits
   one GEMV kernel that reads the weight once and fuses the norm before it and the activation or
-  residual add after it, where a cuBLAS call is a separate launch
+  residual add after it, where a cuBLAS call is a separate launch; a weightless RMSNorm feeding
+  only such a linear (its scale folded into the weight by `fuse`) becomes part of the GEMV
+  (`linear_rows_rms`), statistics included
 """
 from __future__ import annotations
 
@@ -167,12 +169,60 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.to(x.dtype)
 
 
+def linear_rows_rms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    eps: float) -> torch.Tensor:
+    """linear(rms_norm(x), weight, bias) as (W x) * rsqrt(mean(x^2) + eps) (+ bias), fp32.
+
+    The sum of squares is written as a reduction over the same (rows, out, in) ranges as the
+    GEMV (x^2 broadcast along the outputs), so Inductor computes both in one kernel: the norm's
+    statistics cost no launch of their own (at batch 1 on small models, launches are the cost).
+    Same value as the norm then the linear, without rounding the normalized x to x's dtype."""
+    xf = x.unsqueeze(-2).float()
+    wf = weight.float()
+    y = (xf * wf).sum(-1)
+    ss = (xf * xf).expand(*xf.shape[:-2], wf.shape[0], xf.shape[-1]).sum(-1)
+    y = y * torch.rsqrt(ss / x.shape[-1] + eps)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _norm_into_rows(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """Retarget linear_rows `node` to linear_rows_rms where its input is a weightless RMSNorm
+    (rms_norm, or add_rms_norm's first output) that feeds nothing else; whether it was."""
+    src, fused = node.args[0], None
+    if not isinstance(src, torch.fx.Node) or len(src.users) != 1:
+        return False
+    if src.target is ops.rms_norm and src.args[1] is None:
+        x, eps = src.args[0], src.kwargs["eps"]
+    elif src.target is operator.getitem and src.args[1] == 0 and src.args[0].target is ops.add_rms_norm \
+            and src.args[0].args[2] is None:
+        fused = src.args[0]
+        with graph.inserting_before(fused):
+            x = graph.call_function(operator.add, fused.args[:2])  # x + residual, as add_rms_norm
+        for u in list(fused.users):
+            if u is not src:  # the sum's getitem: the new residual
+                u.replace_all_uses_with(x)
+                graph.erase_node(u)
+        eps = fused.kwargs["eps"]
+    else:
+        return False
+    node.args = (x, *node.args[1:])
+    node.kwargs = {**node.kwargs, "eps": eps}
+    _retarget(node, linear_rows_rms)
+    graph.erase_node(src)
+    if fused is not None:
+        graph.erase_node(fused)
+    return True
+
+
 @dataclass
 class LowerReport:
     custom: dict[str, int] = field(default_factory=dict)   # op -> nodes now on torch.ops.<ns>
     rejected: dict[str, str] = field(default_factory=dict)  # op -> why its custom op was not used
     rope: int = 0
     linear_rows: int = 0
+    norm_into_rows: int = 0  # linear_rows that compute their input's RMSNorm (linear_rows_rms)
     kernel_modules: dict[str, str] = field(default_factory=dict)
     cpu_traced: dict[str, int] = field(default_factory=dict)  # op -> nodes on a traced CPU form
 
@@ -257,10 +307,13 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         _retarget(node, op)
         rep.custom[name] = rep.custom.get(name, 0) + 1
     if linear == "rows":
-        for node in new.graph.nodes:
+        for node in list(new.graph.nodes):
             if node.op == "call_function" and node.target in (ops.linear, ops.lm_head):
+                is_linear = node.target is ops.linear
                 _retarget(node, linear_rows)
                 rep.linear_rows += 1
+                if is_linear and _norm_into_rows(new.graph, node):
+                    rep.norm_into_rows += 1
     elif linear != "mm":
         raise ValueError(f"linear must be 'mm' or 'rows', got {linear!r}")
     new.graph.lint()
@@ -277,5 +330,5 @@ def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
     return out
 
 
-__all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "attention_layers",
+__all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "attention_layers",
            "load_kernel_modules", "accepts"]

@@ -15,6 +15,8 @@ kernel applies (one launch per layer for RoPE, the KV write and attention).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -62,17 +64,22 @@ class BoundCache:
         self.mask = cache.slots[None, :] <= pos[:, None]
 
     def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None):
-        """rope: None, or (cos, sin, positions) when q and k still lack their rotary embedding
-        (graphs rewritten by `fuse_rope`)."""
+        """rope: None, or (cos, sin, positions) when q and k still lack their rotary embedding;
+        k = v = None when q is the fused projection (graphs rewritten by `fuse_rope`)."""
         c = self.cache
         kc, vc = getattr(c, f"k{layer}"), getattr(c, f"v{layer}")
         B, T = q.shape[0], q.shape[1]
         if self.attn == "fused" and T == 1:
             tables = rope[:2] if rope is not None else (None, None)
-            out = torch.ops.llmaccel.static_decode_attention(
-                q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
-                v.reshape(B, n_kv_heads, head_dim), kc, vc, self.pos, *tables, scale=scale)
+            if k is None:  # q is the fused projection (B, 1, (H + 2 Hkv) D)
+                args = (q.reshape(B, n_heads + 2 * n_kv_heads, head_dim), None, None)
+            else:
+                args = (q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
+                        v.reshape(B, n_kv_heads, head_dim))
+            out = torch.ops.llmaccel.static_decode_attention(*args, kc, vc, self.pos, *tables, scale=scale)
             return out.reshape(B, 1, n_heads * head_dim)
+        if k is None:
+            q, k, v = q.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
         if rope is not None:
             q = rope_table(q, *rope, head_dim=head_dim)
             k = rope_table(k, *rope, head_dim=head_dim)
@@ -91,7 +98,8 @@ class BoundCache:
 
 def attention_rope(q, k, v, ctx, cos, sin, positions, *, layer: int, n_heads: int, n_kv_heads: int,
                    head_dim: int, scale: float) -> torch.Tensor:
-    """ops.attention with q and k before their rotary embedding (cos / sin tables by position)."""
+    """ops.attention with q and k before their rotary embedding (cos / sin tables by position);
+    k = v = None: q is the fused projection (B, T, (H + 2 Hkv) D)."""
     return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                       scale=scale, rope=(cos, sin, positions))
 
@@ -102,10 +110,26 @@ def _same(a):
     return ("attr", a.target) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a
 
 
+def _split_parts(q, k, v):
+    """The fused projection whose split gives q, k, v (getitems 0, 1, 2 of one split along the
+    last dim, used by nothing else), or None."""
+    parts = [x.args if isinstance(x, torch.fx.Node) and x.target is operator.getitem else None
+             for x in (q, k, v)]
+    if any(p is None for p in parts) or [p[1] for p in parts] != [0, 1, 2]:
+        return None
+    split = parts[0][0]
+    if any(p[0] is not split for p in parts) or split.op != "call_method" or split.target != "split" \
+            or split.kwargs.get("dim") != -1 or len(split.users) != 3:
+        return None
+    return split
+
+
 def fuse_rope(gm: torch.fx.GraphModule) -> int:
     """Rewrite attention(rope_table(q), rope_table(k), v) into attention_rope(q, k, v, tables) in
     a lowered graph, in place, where both rotations read the same tables and positions and feed
-    only the attention; returns how many attention nodes were rewritten."""
+    only the attention; where q, k, v are the three parts of one fused projection, the
+    projection itself is handed over (k = v = None), so it is stored once as one buffer.
+    Returns how many attention nodes were rewritten."""
     n = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not ops.attention:
@@ -117,12 +141,18 @@ def fuse_rope(gm: torch.fx.GraphModule) -> int:
         if [_same(a) for a in rq.args[1:]] != [_same(a) for a in rk.args[1:]] or rq.kwargs != rk.kwargs:
             continue
         cos, sin, positions = rq.args[1:4]
+        q, k, v = rq.args[0], rk.args[0], node.args[2]
+        split = _split_parts(q, k, v)
+        if split is not None:
+            q, k, v = split.args[0], None, None
         node.target = attention_rope
-        node.args = (rq.args[0], rk.args[0], node.args[2], node.args[3], cos, sin, positions)
+        node.args = (q, k, v, node.args[3], cos, sin, positions)
+        tables = rk.args[1:3]  # the second rotation's own reads of the tables
         for r in (rq, rk):
             gm.graph.erase_node(r)
-        for a in rk.args[1:3]:  # the second rotation's own reads of the tables
-            if isinstance(a, torch.fx.Node) and a.op == "get_attr" and not a.users:
+        dead = [*tables] + ([] if split is None else [*split.users, split])
+        for a in dead:
+            if isinstance(a, torch.fx.Node) and not a.users:
                 gm.graph.erase_node(a)
         n += 1
     if n:

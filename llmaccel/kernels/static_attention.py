@@ -10,6 +10,8 @@ position `pos`, a one-element device tensor (so a captured CUDA graph replays ev
       With cos / sin tables (max_len, D), fp32, q and k arrive without their rotary embedding
       and the kernel applies it at row pos (rotate-half layout, as ops.rope): the three
       pointwise launches per layer that rotate q and k and lay them out for the op go away.
+      With k = v = None, q holds the fused projection's rows (B, H + 2 Hkv, D): q, k, v are
+      read from that one buffer (the GEMV that makes it stores it once, in its epilogue).
 
 The static decode step otherwise spends 5 launches per layer on this (the K and V writes, two
 batched matmuls and the masked softmax between them, all over the whole max_len buffer); at
@@ -17,7 +19,7 @@ batch 1 on small models, launches are the cost. The Triton kernel reads only slo
 from the cache and takes the new token's k, v from registers (the same program also stores them
 to the cache, and no program reads slot pos, so there is no race). All query heads of a KV group
 are rows of one tile. Long caches are cut into splits run in parallel and merged by log-sum-exp
-(the paged kernel's reduce); the split count depends on max_len only, never on pos.
+(the paged kernel's reduce); the split count depends on the shapes only, never on pos.
 CPU implementation: the reference (index_copy_ + masked attention); CUDA: Triton.
 """
 from __future__ import annotations
@@ -45,9 +47,18 @@ def rope_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Te
     return (h * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype)
 
 
+def split_qkv(q, k, v, k_cache):
+    """(q, k, v); with k = v = None, views of q's rows (B, H + 2 Hkv, D)."""
+    if k is not None:
+        return q, k, v
+    Hkv = k_cache.shape[1]
+    return q.split([q.shape[1] - 2 * Hkv, Hkv, Hkv], dim=1)
+
+
 def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None) -> torch.Tensor:
     """Reference: (rotate q and k at pos,) write k, v at pos, then attend over slots 0 .. pos
     (in q's dtype, fp32 softmax as attend_heads does)."""
+    q, k, v = split_qkv(q, k, v, k_cache)
     if cos is not None:
         q, k = rope_at(q, cos, sin, pos), rope_at(k, cos, sin, pos)
     k_cache.index_copy_(2, pos.reshape(1), k[:, :, None, :].to(k_cache.dtype))
@@ -135,9 +146,13 @@ if triton is not None:
 
 
 def static_splits(batch: int, n_kv: int, max_len: int, num_sms: int = 132) -> int:
-    """Splits of the cache: enough programs to fill the GPU, none shorter than 512 slots."""
+    """Splits of the cache: enough programs to fill the GPU, none shorter than 64 slots.
+
+    At batch 1 a program that walks its slots 64 at a time is bound by the latency of each
+    step: SmolLM2's 3 KV heads over 384 slots take 5.3 us per layer in one split, 4.2 us in six
+    (the reduce launch included; H200, scripts/gpu_attn_probe.py)."""
     want = cdiv(2 * num_sms, max(1, batch * n_kv))
-    return max(1, min(want, cdiv(max_len, 512)))
+    return max(1, min(want, cdiv(max_len, 64)))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -149,6 +164,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None,
                          num_splits: int | None = None, block_n: int | None = None,
                          num_warps: int = 4) -> torch.Tensor:
+    q, k, v = split_qkv(q, k, v, k_cache)
     B, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     if k_cache.shape != (B, Hkv, S, D) or v_cache.shape != k_cache.shape or H % Hkv or \
@@ -195,17 +211,18 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None,
 
 if not registered("static_decode_attention"):
     @torch.library.custom_op("llmaccel::static_decode_attention", mutates_args=("k_cache", "v_cache"))
-    def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def static_decode_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
                                 scale: float) -> torch.Tensor:
         """(Rotate q, k at pos with the cos / sin tables,) write k, v (B, Hkv, D) at slot pos,
-        then attend q (B, H, D) over slots 0 .. pos."""
+        then attend q (B, H, D) over slots 0 .. pos. k = v = None: q is (B, H + 2 Hkv, D)."""
         return static_decode_ref(q, k, v, k_cache, v_cache, pos, scale, cos, sin)
 
     @static_decode_attention.register_fake
     def _(q, k, v, k_cache, v_cache, pos, cos=None, sin=None, *, scale):
-        return q.new_empty(q.shape)
+        B, H, D = split_qkv(q, k, v, k_cache)[0].shape
+        return q.new_empty((B, H, D))
 
     if triton is not None:
         @static_decode_attention.register_kernel("cuda")

@@ -113,3 +113,14 @@ def test_quantized_kv_graph_is_refused_and_int4_lowers():
         assert eng.report.cpu_traced == {"linear_int4": 4 * m.config.n_layers}  # qkv, o, gate_up, down
     ids = torch.randint(0, 512, (2, 9))
     _close(_stepwise(eng, ids, 5), m.logits(ids))
+
+
+def test_norm_folds_into_the_rows_gemv():
+    """After `fuse` (norm scales in the weights), every RMSNorm before a linear is computed by
+    that linear's GEMV (linear_rows_rms): same logits in fp32."""
+    m = compile("preset:tiny-llama", ["fuse"], progress=False)
+    low, rep = lower(m.gm, max_len=64, select="none", linear="rows")
+    assert rep.norm_into_rows == 2 * m.config.n_layers  # qkv and gate/up of every layer
+    ids = torch.randint(0, 512, (2, 20))
+    pos = torch.arange(20)[None].expand(2, -1)
+    _close(low(ids, pos, None), m.gm(ids, pos, None))

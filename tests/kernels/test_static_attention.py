@@ -119,11 +119,14 @@ def test_rope_reference_is_ops_rope():
 @pytest.mark.parametrize("where", ["first", "last"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_static_decode_rope_interpreter(B, H, Hkv, D, S, where, splits, dtype):
+@pytest.mark.parametrize("packed", [False, True])
+def test_static_decode_rope_interpreter(B, H, Hkv, D, S, where, splits, dtype, packed):
     pos = {"first": 0, "last": S - 1}[where]
     (q, k, v), kc, vc, p, cos, sin = rope_case(B, H, Hkv, D, S, pos, dtype)
     kr, vr = kc.clone(), vc.clone()
     ref = sa.static_decode_ref(q, k, v, kr, vr, p, 0.125, cos, sin)
+    if packed:  # the fused projection's rows as one tensor, k = v = None
+        q, k, v = torch.cat([q, k, v], dim=1), None, None
     out = sa.static_decode_triton(q, k, v, kc, vc, p, 0.125, cos, sin, num_splits=splits)
     check(out, ref, dtype)
     # the rotated key is what lands in the cache
@@ -148,6 +151,9 @@ def test_static_decode_rope_cuda(B, H, Hkv, D, S, where):
     (q, k, v), kc, vc, p, cos, sin = rope_case(B, H, Hkv, D, S, pos, torch.bfloat16, "cuda")
     kr, vr = kc.clone(), vc.clone()
     ref = sa.static_decode_ref(q, k, v, kr, vr, p, D ** -0.5, cos, sin)
-    out = torch.ops.llmaccel.static_decode_attention(q, k, v, kc, vc, p, scale=D ** -0.5, cos=cos, sin=sin)
+    out = torch.ops.llmaccel.static_decode_attention(q, k, v, kc, vc, p, cos=cos, sin=sin, scale=D ** -0.5)
     check(out, ref, torch.bfloat16)
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    packed = torch.ops.llmaccel.static_decode_attention(torch.cat([q, k, v], dim=1), None, None, kc, vc, p,
+                                                        cos=cos, sin=sin, scale=D ** -0.5)
+    assert torch.equal(packed, out)
