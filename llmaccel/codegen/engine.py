@@ -18,12 +18,17 @@ from llmaccel import ops
 from llmaccel.codegen.lower import LowerReport, lower
 from llmaccel.codegen.static_cache import ATTN_IMPLS, StaticKVCache, fuse_rope
 from llmaccel.compiler.model import Model
+from llmaccel.passes.ir import weight_of
 from llmaccel.errors import LlmaccelError
 
 LINEAR_IMPLS = ("auto", "mm", "rows")
 # Up to this many rows per step the decode linears run as Inductor reductions (GEMV); with
 # more rows such a kernel reads each weight once per row and a GEMM is better.
 ROWS_MAX_BATCH = 1
+# ... and only for models whose largest linear has at most this many weights: small models are
+# launch-bound and Inductor's fused GEMVs save launches; on larger matrices cuBLAS reads the
+# weights faster (H200, llama-1b bs1: 827 tok/s with cuBLAS against 727 with the reductions).
+ROWS_MAX_WEIGHTS = 1 << 22
 
 
 def _step_fn(gm, cache: StaticKVCache, attn: str, greedy: bool):
@@ -47,6 +52,16 @@ def _static_step_fn(gm, cache: StaticKVCache, state: "StepState", attn: str):
         state.out.index_copy_(1, pos + 1, nxt)
         state.pos.add_(1)
     return step
+
+
+def _largest_linear(gm) -> int:
+    """Weights of the largest linear (LM head excluded) of an IR graph."""
+    sizes = [0]
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is ops.linear and isinstance(n.args[1], torch.fx.Node) \
+                and n.args[1].op == "get_attr":
+            sizes.append(weight_of(gm, n.args[1]).numel())
+    return max(sizes)
 
 
 class StepState(nn.Module):
@@ -85,7 +100,8 @@ class DecodeEngine:
             mode = "reduce-overhead" if cuda else None
         if linear == "auto":
             # GEMV reductions only pay off when Inductor fuses them, i.e. compiled, at few rows
-            linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH else "mm"
+            small = _largest_linear(model.gm) <= ROWS_MAX_WEIGHTS
+            linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH and small else "mm"
         self.linear = linear
         # CUDA: one launch per layer for the decode attention and its KV write (Triton); CPU:
         # products and sums that Inductor fuses into C++ loops (SDPA and the grouped matmuls
