@@ -9,7 +9,8 @@
 # stays under DEADLINE seconds (default 530): each command gets the time that is left, and a
 # command that would start with less than a minute left is skipped.
 # CASES="shape:batch ..." and VARIANTS="int4 mm nocustom tune" pick what runs (either may be
-# empty), e.g. a second call: CASES= VARIANTS="int4 mm tune" scripts/gpu_bench.sh
+# empty), e.g. a second call: CASES= VARIANTS="int4 mm tune" scripts/gpu_bench.sh; HF=0 skips
+# the HF eager peer.
 set -u
 OUT=${OUT:-out/gpu_bench}
 mkdir -p "$OUT"
@@ -68,7 +69,7 @@ for case in $CASES; do
   run "llmc_${shape}_bs$b" 200 $PY -m llmaccel.bench "preset:$shape" --batch "$b" --prompt-len $P \
       --gen-len $G --dtype bfloat16 --json
   run "fast_${shape}_bs$b" 150 $PY $PEERS/peer_fast.py --shape "$shape" --batch "$b" --prompt $P --gen $G
-  if [ "$shape" = llama-1b ] && [ "$b" = 1 ]; then
+  if [ "$shape" = llama-1b ] && [ "$b" = 1 ] && [ "${HF:-1}" = 1 ]; then
     run "hf_${shape}_bs$b" 90 $PY $PEERS/peer_hf.py --shape "$shape" --batch "$b" --prompt $P --gen $G
   fi
 done
@@ -82,11 +83,12 @@ for v in $VARIANTS; do
     int4) run "llmc_llama-1b-int4_bs1" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
             --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn ;;
     mm) run "llmc_llama-1b_bs1_mm" 150 $PY -m llmaccel.bench $L1 --linear mm ;;
+    rows) run "llmc_llama-1b_bs1_rows" 150 $PY -m llmaccel.bench $L1 --linear rows ;;
     nocustom) run "llmc_llama-1b_bs1_nocustom" 150 $PY -m llmaccel.bench $L1 --lower none ;;
     tune) run "llmc_llama-1b_bs1_tune" 200 $PY -m llmaccel.bench $L1 --tune ;;
     grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
-    *) echo "unknown variant $v (known: int4 mm nocustom tune grouped)" ;;
+    *) echo "unknown variant $v (known: int4 mm rows nocustom tune grouped)" ;;
   esac
 done
 
@@ -114,7 +116,7 @@ for (shape, b), goal in goals.items():
           f"{fmt(ours.get('kernels_per_step'), 1):>10}{fmt(ours.get('gpu_ms_per_step'), 3):>8}"
           f"{fmt(ours.get('step_ms'), 3):>8}"
           f"{fmt(ours.get('prefill_tok_s') and b * ours['prompt'] / ours['prefill_tok_s'] * 1e3, 2):>11}")
-for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_nocustom",
+for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_nocustom",
               "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):
     r = by.get(label)
     if r is None or "error" in r:
