@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmaccel.bench.run import kernel_table  # noqa: E402
 from llmaccel.compiler.pipeline import compile as compile_model  # noqa: E402
 from llmaccel.runtime.engine import LLM  # noqa: E402
 from llmaccel.runtime.sampler import SamplingParams  # noqa: E402
@@ -31,6 +32,22 @@ from llmaccel.runtime.sampler import SamplingParams  # noqa: E402
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def profile_steps(llm, steps: int) -> dict:
+    """Wall and GPU time of `steps` decode steps (all requests decoding), with the kernels that
+    run in them: what the step spends on kernels, and on launches and host work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / steps * 1e3
+    table = kernel_table(p, steps)
+    table.pop("kernels")
+    return {"steps": steps, "wall_ms_per_step": round(wall, 3), **table}
 
 
 def run(kind: str, a) -> dict:
@@ -46,13 +63,15 @@ def run(kind: str, a) -> dict:
     sync(a.device)
     seqs = [llm.add_request(p, SamplingParams(max_tokens=a.gen, ignore_eos=True)) for p in prompts]
     t0 = time.perf_counter()
-    all_first = None
+    all_first, prof = None, None
     steps = 0
     while not all(s.finished for s in seqs):
         llm.step()
         steps += 1
         if all_first is None and all(s.n_output > 0 for s in seqs):
             sync(a.device)
+            if a.device == "cuda" and a.profile_steps:
+                prof = profile_steps(llm, a.profile_steps)
             all_first = time.perf_counter()
             # requests admitted early have decoded while later ones were prefilling
             n_first = sum(s.n_output for s in seqs)
@@ -69,7 +88,7 @@ def run(kind: str, a) -> dict:
                decode_tok_s=round((n_out - n_first) / (end - all_first), 1),
                total_output_tok_s=round(n_out / (end - t0), 1), steps=steps,
                kv_bytes_per_token=llm.metrics().get("kv_bytes_per_token", full_bytes), failed=bad,
-               preemptions=llm.metrics().get("preemptions"))
+               preemptions=llm.metrics().get("preemptions"), profile=prof)
     del llm, model
     gc.collect()
     if a.device == "cuda":
@@ -86,6 +105,8 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile-steps", type=int, default=4,
+                    help="decode steps profiled once every request decodes (not timed); 0: none")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
     rows = [run(k, a) for k in ("full", f"kv{a.bits}")]
@@ -93,6 +114,13 @@ def main() -> int:
         Path(os.environ["OUT"], "kv2_bench.json").write_text(json.dumps(rows, indent=2))
     for r in rows:
         print(json.dumps(r))
+    for r in rows:
+        p = r.get("profile")
+        if p:
+            print(f"{r['kind']}: step {p['wall_ms_per_step']} ms wall, {p['gpu_ms_per_step']:.3f} ms of kernels, "
+                  f"{p['kernels_per_step']:.0f} kernels/step")
+            for k in p["top_kernels"]:
+                print(f"   {k['per_step']:6.1f} {k['ms']:8.3f} ms  {k['name']}")
     base = rows[0]["decode_tok_s"]
     print(f"\n| cache | prefill s | decode tok/s | x full | total out tok/s | KV bytes/token |\n|---|---|---|---|---|---|")
     for r in rows:

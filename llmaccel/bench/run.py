@@ -95,12 +95,18 @@ def profile_decode(eng: DecodeEngine, ids: torch.Tensor, steps: int = 8) -> dict
         for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
+    return kernel_table(prof, steps)
+
+
+def kernel_table(prof, steps: int) -> dict:
+    """Kernels per step, GPU ms per step and every kernel's share, from a finished profiler run
+    over `steps` steps."""
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)
         if t is None:
             t = getattr(e, "cuda_time_total", 0)
-        if e.count and t:
+        if e.count and t and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
             rows.append((e.key, e.count / steps, t / 1e3 / steps))
     rows.sort(key=lambda r: -r[2])
     return {"kernels_per_step": sum(r[1] for r in rows),
@@ -247,9 +253,22 @@ def _bench_speculative(src, model, eng, ids, gen_len, plain_out, spec, k, passes
     spec_s, out = _timed(lambda: dec.generate(ids, gen_len), dev)
     same = (out == plain_out).all(-1)
     first_diff = None if bool(same.all()) else int((out != plain_out).long().argmax(-1)[0])
-    return {"speculative": spec, "spec_decode_tok_s": gen_len / spec_s, "spec_generate_s": spec_s,
-            "spec_identical_to_plain": bool(same.all()), "spec_first_difference": first_diff,
-            **dec.stats()}
+    stats = dec.stats()
+    res = {"speculative": spec, "spec_decode_tok_s": gen_len / spec_s, "spec_generate_s": spec_s,
+           "spec_identical_to_plain": bool(same.all()), "spec_first_difference": first_diff, **stats}
+    if dev.type == "cuda" and stats["spec_rounds"]:
+        # where a round's time goes: its kernels (k draft steps + one verify) against its wall time
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.generate(ids, gen_len)
+            torch.cuda.synchronize()
+        rounds = dec.stats()["spec_rounds"]
+        table = kernel_table(prof, rounds)
+        res.update(spec_round_ms=spec_s / stats["spec_rounds"] * 1e3,
+                   spec_round_gpu_ms=table["gpu_ms_per_step"], spec_round_kernels=table["kernels_per_step"],
+                   spec_round_top_kernels=table["top_kernels"])
+    return res
 
 
 def render(res: dict) -> str:
