@@ -211,15 +211,17 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         return False
     if src.target is ops.rms_norm and src.args[1] is None:
         x, eps = src.args[0], src.kwargs["eps"]
-    elif src.target is operator.getitem and src.args[1] == 0 and src.args[0].target is ops.add_rms_norm \
-            and src.args[0].args[2] is None:
+    elif src.target is operator.getitem and src.args[1] == 0 and isinstance(src.args[0], torch.fx.Node) \
+            and src.args[0].target is ops.add_rms_norm and src.args[0].args[2] is None:
         fused = src.args[0]
+        sums = [u for u in fused.users if u is not src]
+        if not all(u.target is operator.getitem and u.args[1] == 1 for u in sums):
+            return False  # the normalized output has another reader
         with graph.inserting_before(fused):
             x = graph.call_function(operator.add, fused.args[:2])  # x + residual, as add_rms_norm
-        for u in list(fused.users):
-            if u is not src:  # the sum's getitem: the new residual
-                u.replace_all_uses_with(x)
-                graph.erase_node(u)
+        for u in sums:  # the new residual
+            u.replace_all_uses_with(x)
+            graph.erase_node(u)
         eps = fused.kwargs["eps"]
     else:
         return False
