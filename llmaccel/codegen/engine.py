@@ -29,6 +29,10 @@ ROWS_MAX_BATCH = 1
 # launch-bound and Inductor's fused GEMVs save launches; on larger matrices cuBLAS reads the
 # weights faster (H200, llama-1b bs1: 827 tok/s with cuBLAS against 727 with the reductions).
 ROWS_MAX_WEIGHTS = 1 << 22
+_RECOMPILE_LIMIT = tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                         if hasattr(torch._dynamo.exc, n))
+# Prompt lengths whose prefill an engine compiles (each is an Inductor compile and a CUDA graph).
+PREFILL_GRAPHS = 4
 
 
 def _step_fn(gm, cache: StaticKVCache, attn: str, greedy: bool):
@@ -39,6 +43,16 @@ def _step_fn(gm, cache: StaticKVCache, attn: str, greedy: bool):
             return logits[:, -1].argmax(-1, keepdim=True)
         return logits
     return step
+
+
+def _prefill_fn(gm, cache: StaticKVCache):
+    """The prefill: next tokens (B, 1) after ids at positions pos. A function of its own (not
+    `_step_fn`), so its compiled variants, one per prompt length, do not count against the
+    decode logits step's recompile limit."""
+    def prefill(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        logits = gm(ids, pos.expand(ids.shape[0], -1), cache.bind(pos, "sdpa"))
+        return logits[:, -1].argmax(-1, keepdim=True)
+    return prefill
 
 
 def _static_step_fn(gm, cache: StaticKVCache, state: "StepState", attn: str):
@@ -124,7 +138,9 @@ class DecodeEngine:
         self.rope_fused = fuse_rope(self.decode_gm) if self.attn == "fused" else 0
         # One position tensor per step, made once: no host-to-device copy inside the loop.
         self._pos = [p.clone() for p in torch.arange(max_len, device=dev).split(1)]
-        self._prefill = _step_fn(self.prefill_gm, self.cache, "sdpa", greedy=True)
+        self._prefill = _prefill_fn(self.prefill_gm, self.cache)
+        self._prefill_compiled = None
+        self._prefill_lengths: set[int] = set()
         self.state = StepState(batch, max_len, dev)
         step = _static_step_fn(self.decode_gm, self.cache, self.state, self.attn)
         self._logits_step = _step_fn(self.decode_gm, self.cache, self.attn, greedy=False)
@@ -142,8 +158,8 @@ class DecodeEngine:
             step = torch.compile(step, **opts)
             self._logits_step = torch.compile(self._logits_step, **opts)
             if cuda if compile_prefill is None else compile_prefill:
-                # one specialized graph per prompt length, no shape-generic recompile
-                self._prefill = torch.compile(self._prefill, dynamic=False, **opts)
+                # one specialized graph per prompt length (up to PREFILL_GRAPHS), no shape-generic recompile
+                self._prefill_compiled = torch.compile(self._prefill, dynamic=False, **opts)
         self._decode = step
 
     @property
@@ -158,9 +174,22 @@ class DecodeEngine:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Fill the cache with ids (B, P) at positions 0..P-1; returns the next tokens (B, 1)."""
+        """Fill the cache with ids (B, P) at positions 0..P-1; returns the next tokens (B, 1).
+
+        Compiled (CUDA) for the first PREFILL_GRAPHS prompt lengths an engine sees, eagerly for
+        the others, and eagerly too where Dynamo's recompile limit, which counts the prefill's
+        variants of every engine in the process, is reached."""
         P = ids.shape[1]
         pos = torch.arange(P, device=ids.device)
+        lengths = self._prefill_lengths
+        if self._prefill_compiled is not None and (P in lengths or len(lengths) < PREFILL_GRAPHS):
+            try:
+                out = self._prefill_compiled(ids, pos)
+            except _RECOMPILE_LIMIT:
+                self._prefill_compiled = None
+            else:
+                lengths.add(P)
+                return out.clone()  # a CUDA graph's output: the next replay overwrites it
         return self._prefill(ids, pos)
 
     @torch.no_grad()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import llmaccel.kernels.static_attention  # noqa: F401  (registers llmaccel::static_decode_attention)
 from llmaccel import ops
-from llmaccel.codegen.lower import attention_layers, rope_table
+from llmaccel.codegen.lower import _retarget, attention_layers, rope_table
 from llmaccel.ops.attention import merge_heads, split_heads
 
 ATTN_IMPLS = ("sdpa", "grouped", "fused", "rows")
@@ -99,9 +99,18 @@ class BoundCache:
 def attention_rope(q, k, v, ctx, cos, sin, positions, *, layer: int, n_heads: int, n_kv_heads: int,
                    head_dim: int, scale: float) -> torch.Tensor:
     """ops.attention with q and k before their rotary embedding (cos / sin tables by position);
-    k = v = None: q is the fused projection (B, T, (H + 2 Hkv) D)."""
-    return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                      scale=scale, rope=(cos, sin, positions))
+    k = v = None: q is the fused projection (B, T, (H + 2 Hkv) D). A static-cache context takes
+    the tables as they are (its fused decode kernel rotates at the cache's position); without a
+    context (a plain causal forward) q and k are rotated here."""
+    if ctx is not None:
+        return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                          scale=scale, rope=(cos, sin, positions))
+    if k is None:
+        q, k, v = q.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = rope_table(q, cos, sin, positions, head_dim=head_dim)
+    k = rope_table(k, cos, sin, positions, head_dim=head_dim)
+    return ops.attention(q, k, v, None, layer=layer, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                         head_dim=head_dim, scale=scale)
 
 
 def _same(a):
@@ -110,16 +119,16 @@ def _same(a):
     return ("attr", a.target) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a
 
 
-def _split_parts(q, k, v):
+def _split_parts(q, k, v, sizes):
     """The fused projection whose split gives q, k, v (getitems 0, 1, 2 of one split along the
-    last dim, used by nothing else), or None."""
+    last dim into `sizes`, used by nothing else), or None."""
     parts = [x.args if isinstance(x, torch.fx.Node) and x.target is operator.getitem else None
              for x in (q, k, v)]
     if any(p is None for p in parts) or [p[1] for p in parts] != [0, 1, 2]:
         return None
     split = parts[0][0]
     if any(p[0] is not split for p in parts) or split.op != "call_method" or split.target != "split" \
-            or split.kwargs.get("dim") != -1 or len(split.users) != 3:
+            or split.kwargs.get("dim") != -1 or len(split.users) != 3 or list(split.args[1]) != sizes:
         return None
     return split
 
@@ -140,12 +149,16 @@ def fuse_rope(gm: torch.fx.GraphModule) -> int:
             continue
         if [_same(a) for a in rq.args[1:]] != [_same(a) for a in rk.args[1:]] or rq.kwargs != rk.kwargs:
             continue
+        kw = node.kwargs
+        D = kw["head_dim"]
+        if rq.kwargs.get("head_dim") != D or D % 2:  # the kernel rotates whole heads of the attention
+            continue
         cos, sin, positions = rq.args[1:4]
         q, k, v = rq.args[0], rk.args[0], node.args[2]
-        split = _split_parts(q, k, v)
+        split = _split_parts(q, k, v, [kw["n_heads"] * D, kw["n_kv_heads"] * D, kw["n_kv_heads"] * D])
         if split is not None:
             q, k, v = split.args[0], None, None
-        node.target = attention_rope
+        _retarget(node, attention_rope)
         node.args = (q, k, v, node.args[3], cos, sin, positions)
         tables = rk.args[1:3]  # the second rotation's own reads of the tables
         for r in (rq, rk):

@@ -124,3 +124,20 @@ def test_norm_folds_into_the_rows_gemv():
     ids = torch.randint(0, 512, (2, 20))
     pos = torch.arange(20)[None].expand(2, -1)
     _close(low(ids, pos, None), m.gm(ids, pos, None))
+
+
+def test_compiled_prefill_over_many_prompt_lengths():
+    """The prefill compiles one variant per prompt length for its first few lengths and runs
+    the others eagerly; Dynamo's recompile limit (shared by every engine's prefill) never
+    surfaces, and the tokens are the eager prefill's."""
+    torch._dynamo.reset()
+    m = compile("preset:tiny-llama", ["fuse"], progress=False)
+    engines = [DecodeEngine(m, 1, 32, compile=True, backend="eager", compile_prefill=True) for _ in range(3)]
+    plain = DecodeEngine(m, 1, 32, compile=False)
+    g = torch.Generator().manual_seed(0)
+    for P in range(3, 14):
+        ids = torch.randint(0, 512, (1, P), generator=g)
+        want = plain.prefill(ids)
+        for eng in engines:
+            assert torch.equal(eng.prefill(ids), want)
+    assert all(len(e._prefill_lengths) <= 4 for e in engines)
