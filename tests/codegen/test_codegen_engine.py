@@ -141,3 +141,17 @@ def test_compiled_prefill_over_many_prompt_lengths():
         for eng in engines:
             assert torch.equal(eng.prefill(ids), want)
     assert all(len(e._prefill_lengths) <= 4 for e in engines)
+
+
+def test_rope_fused_graph_runs_without_a_cache():
+    """A decode graph rewritten by fuse_rope still computes a plain causal forward (ctx None):
+    q and k are rotated outside the kernel then."""
+    from llmaccel.codegen.static_cache import fuse_rope
+
+    m = compile("preset:tiny-llama", ["fuse"], progress=False)
+    low, _ = lower(m.gm, max_len=32, select="none")
+    assert fuse_rope(low) == m.config.n_layers
+    assert "wrap(" not in "".join(l for l in low.code.splitlines() if "attention_rope" in l)
+    ids = torch.randint(0, 512, (2, 9))
+    pos = torch.arange(9)[None].expand(2, -1)
+    _close(low(ids, pos, None), m.gm(ids, pos, None))
