@@ -1,7 +1,7 @@
 """Static decode attention tilings on the GPU: microseconds per layer inside a CUDA graph.
 
-Each case replays a graph of L calls (one per layer, each on its own cache, as in a decode
-step) and reports the time per call: block of slots per iteration, warps, splits of the cache
+Each case replays a CUDA graph of calls cycling over L caches (one per layer, as in a decode
+step; scripts/gpu_quant_bench.py's timer) and reports the time per call: block of slots per iteration, warps, splits of the cache
 (a split adds the reduce launch), with and without the RoPE prologue.
 
     PYTHONPATH=$PWD python scripts/gpu_attn_probe.py --out $OUT/attn_probe.json
@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import sys
 
 import torch
 
 from llmaccel.codegen.lower import rope_tables
 from llmaccel.kernels.static_attention import static_decode_triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_quant_bench import time_graph  # noqa: E402
 
 SHAPES = {"smollm2-135m": (1, 9, 3, 64, 30), "llama-1b": (1, 32, 8, 64, 16),
           "llama-1b-bs64": (64, 32, 8, 64, 16)}
@@ -30,29 +35,11 @@ def time_case(B, H, Hkv, D, L, S, pos, rope, **kw) -> float:
     p = torch.tensor([pos], device=dev)
     cos, sin = rope_tables(D, 10000.0, None, S, dev) if rope else (None, None)
 
-    def body():
-        for kc, vc in caches:
-            static_decode_triton(q, k, v, kc, vc, p, D ** -0.5, cos, sin, **kw)
+    def call(i):  # layer i's attention, on its own cache
+        kc, vc = caches[i]
+        return lambda: static_decode_triton(q, k, v, kc, vc, p, D ** -0.5, cos, sin, **kw)
 
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        body()  # compile / warm
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / L)
-    return sorted(times)[len(times) // 2]
+    return time_graph(call, L) * 1e6
 
 
 def main():

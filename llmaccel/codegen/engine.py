@@ -15,33 +15,26 @@ import torch
 import torch.nn as nn
 
 from llmaccel import ops
-from llmaccel.codegen.lower import LowerReport, lower
+from llmaccel.codegen.lower import ROWS_MAX_WEIGHTS, LowerReport, largest_linear, lower
 from llmaccel.codegen.static_cache import ATTN_IMPLS, StaticKVCache, fuse_rope
 from llmaccel.compiler.model import Model
-from llmaccel.passes.ir import weight_of
 from llmaccel.errors import LlmaccelError
 
 LINEAR_IMPLS = ("auto", "mm", "rows")
 # Up to this many rows per step the decode linears run as Inductor reductions (GEMV); with
 # more rows such a kernel reads each weight once per row and a GEMM is better.
 ROWS_MAX_BATCH = 1
-# ... and only for models whose largest linear has at most this many weights: small models are
-# launch-bound and Inductor's fused GEMVs save launches; on larger matrices cuBLAS reads the
-# weights faster (H200, llama-1b bs1: 827 tok/s with cuBLAS against 727 with the reductions).
-ROWS_MAX_WEIGHTS = 1 << 22
+# ... and only for models whose largest linear has at most ROWS_MAX_WEIGHTS weights (lower.py).
 _RECOMPILE_LIMIT = tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
                          if hasattr(torch._dynamo.exc, n))
 # Prompt lengths whose prefill an engine compiles (each is an Inductor compile and a CUDA graph).
 PREFILL_GRAPHS = 4
 
 
-def _step_fn(gm, cache: StaticKVCache, attn: str, greedy: bool):
+def _step_fn(gm, cache: StaticKVCache, attn: str):
+    """Logits (B, T, V) for ids at positions pos."""
     def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        ctx = cache.bind(pos, attn)
-        logits = gm(ids, pos.expand(ids.shape[0], -1), ctx)
-        if greedy:
-            return logits[:, -1].argmax(-1, keepdim=True)
-        return logits
+        return gm(ids, pos.expand(ids.shape[0], -1), cache.bind(pos, attn))
     return step
 
 
@@ -66,16 +59,6 @@ def _static_step_fn(gm, cache: StaticKVCache, state: "StepState", attn: str):
         state.out.index_copy_(1, pos + 1, nxt)
         state.pos.add_(1)
     return step
-
-
-def _largest_linear(gm) -> int:
-    """Weights of the largest linear (LM head excluded) of an IR graph."""
-    sizes = [0]
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is ops.linear and isinstance(n.args[1], torch.fx.Node) \
-                and n.args[1].op == "get_attr":
-            sizes.append(weight_of(gm, n.args[1]).numel())
-    return max(sizes)
 
 
 class StepState(nn.Module):
@@ -114,7 +97,7 @@ class DecodeEngine:
             mode = "reduce-overhead" if cuda else None
         if linear == "auto":
             # GEMV reductions only pay off when Inductor fuses them, i.e. compiled, at few rows
-            small = _largest_linear(model.gm) <= ROWS_MAX_WEIGHTS
+            small = largest_linear(model.gm) <= ROWS_MAX_WEIGHTS
             linear = "rows" if self.compiled and cuda and batch <= ROWS_MAX_BATCH and small else "mm"
         self.linear = linear
         # CUDA: one launch per layer for the decode attention and its KV write (Triton); CPU:
@@ -143,7 +126,7 @@ class DecodeEngine:
         self._prefill_lengths: set[int] = set()
         self.state = StepState(batch, max_len, dev)
         step = _static_step_fn(self.decode_gm, self.cache, self.state, self.attn)
-        self._logits_step = _step_fn(self.decode_gm, self.cache, self.attn, greedy=False)
+        self._logits_step = _step_fn(self.decode_gm, self.cache, self.attn)
         if self.compiled:
             if tune and backend == "inductor":
                 import torch._inductor.config as inductor_config
@@ -240,4 +223,4 @@ class DecodeEngine:
         if T == 1:
             return self._logits_step(ids, self._pos[start]).clone()
         pos = torch.arange(start, start + T, device=ids.device)
-        return _step_fn(self.full_gm, self.cache, "sdpa", greedy=False)(ids, pos)
+        return _step_fn(self.full_gm, self.cache, "sdpa")(ids, pos)

@@ -187,10 +187,12 @@ def linear_rows_rms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.to(x.dtype)
 
 
-# Up to this many weights a GEMV computes its input's RMSNorm statistics itself: the extra
-# multiply-add per weight (x^2, broadcast along the outputs) costs less than a launch; above, it
-# costs more (H200: llama-1b's 2048 x 16384 gate/up GEMV 18.5 -> 25.5 us, SmolLM2's step 10% faster).
-NORM_INTO_ROWS_MAX = 1 << 22
+# Up to this many weights a matrix is small enough for the rows GEMVs (H200): models whose linears
+# all fit are launch-bound, and Inductor's fused GEMVs save launches (above it cuBLAS reads the
+# weights faster: llama-1b bs1 827 tok/s against 727, an LM head ~2x); and a GEMV computes its
+# input's RMSNorm statistics itself, the extra multiply-add per weight costing less than a launch
+# (llama-1b's 2048 x 16384 gate/up GEMV went 18.5 -> 25.5 us with it, SmolLM2's step 10% faster).
+ROWS_MAX_WEIGHTS = 1 << 22
 
 
 def _weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
@@ -199,12 +201,18 @@ def _weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
     return weight_of(gm, w).numel() if isinstance(w, torch.fx.Node) and w.op == "get_attr" else 0
 
 
+def largest_linear(gm: torch.fx.GraphModule) -> int:
+    """Weights of the largest stored-weight linear (LM head excluded) of an IR graph."""
+    return max((_weights(gm, n) for n in gm.graph.nodes
+                if n.op == "call_function" and n.target is ops.linear), default=0)
+
+
 def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Retarget linear_rows `node` to linear_rows_rms where its input is a weightless RMSNorm
     (rms_norm, or add_rms_norm's first output) that feeds nothing else and its weight is small
     enough; whether it was."""
     graph = gm.graph
-    if not 0 < _weights(gm, node) <= NORM_INTO_ROWS_MAX:
+    if not 0 < _weights(gm, node) <= ROWS_MAX_WEIGHTS:
         return False
     src, fused = node.args[0], None
     if not isinstance(src, torch.fx.Node) or len(src.users) != 1:
@@ -328,7 +336,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         for node in list(new.graph.nodes):
             if node.op == "call_function" and node.target in (ops.linear, ops.lm_head):
                 is_linear = node.target is ops.linear
-                if not is_linear and _weights(new, node) > NORM_INTO_ROWS_MAX:
+                if not is_linear and _weights(new, node) > ROWS_MAX_WEIGHTS:
                     continue  # a large LM head reads faster through cuBLAS (H200: ~2x)
                 _retarget(node, linear_rows)
                 rep.linear_rows += 1
@@ -350,5 +358,6 @@ def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
     return out
 
 
-__all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "attention_layers",
+__all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "largest_linear",
+           "ROWS_MAX_WEIGHTS", "attention_layers",
            "load_kernel_modules", "accepts"]

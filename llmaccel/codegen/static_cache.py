@@ -78,11 +78,7 @@ class BoundCache:
                         v.reshape(B, n_kv_heads, head_dim))
             out = torch.ops.llmaccel.static_decode_attention(*args, kc, vc, self.pos, *tables, scale=scale)
             return out.reshape(B, 1, n_heads * head_dim)
-        if k is None:
-            q, k, v = q.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-        if rope is not None:
-            q = rope_table(q, *rope, head_dim=head_dim)
-            k = rope_table(k, *rope, head_dim=head_dim)
+        q, k, v = _unfused(q, k, v, rope, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
         kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
         vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
         qh = split_heads(q, n_heads, head_dim)
@@ -96,6 +92,17 @@ class BoundCache:
         return merge_heads(out)
 
 
+def _unfused(q, k, v, rope, *, n_heads: int, n_kv_heads: int, head_dim: int):
+    """q, k, v as ops.attention takes them, from attention_rope's arguments: split out of the
+    fused projection (k = v = None) and rotated (rope = (cos, sin, positions), or None)."""
+    if k is None:
+        q, k, v = q.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    if rope is not None:
+        q = rope_table(q, *rope, head_dim=head_dim)
+        k = rope_table(k, *rope, head_dim=head_dim)
+    return q, k, v
+
+
 def attention_rope(q, k, v, ctx, cos, sin, positions, *, layer: int, n_heads: int, n_kv_heads: int,
                    head_dim: int, scale: float) -> torch.Tensor:
     """ops.attention with q and k before their rotary embedding (cos / sin tables by position);
@@ -105,10 +112,8 @@ def attention_rope(q, k, v, ctx, cos, sin, positions, *, layer: int, n_heads: in
     if ctx is not None:
         return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                           scale=scale, rope=(cos, sin, positions))
-    if k is None:
-        q, k, v = q.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = rope_table(q, cos, sin, positions, head_dim=head_dim)
-    k = rope_table(k, cos, sin, positions, head_dim=head_dim)
+    q, k, v = _unfused(q, k, v, (cos, sin, positions), n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      head_dim=head_dim)
     return ops.attention(q, k, v, None, layer=layer, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          head_dim=head_dim, scale=scale)
 

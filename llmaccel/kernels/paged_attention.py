@@ -137,6 +137,12 @@ if triton is not None:
                      acc.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
     @triton.jit
+    def _softmax_init(BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Running max, sum and output of an online softmax before any key."""
+        return (tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
+                tl.zeros([BLOCK_G, BLOCK_D], tl.float32))
+
+    @triton.jit
     def _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
         """One block of keys k and values v (N, D), n_ok of them real, for query rows q (G, D)
         in an online softmax: returns the running max, sum and (unnormalized) output."""
@@ -191,9 +197,7 @@ if triton is not None:
         start = sp * split_len
         stop = tl.minimum(start + split_len, L)
         q, heads, offs_d, g_ok, d_ok = _group_queries(Q + s * sq_n, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
         for n0 in range(start, stop, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < stop

@@ -72,7 +72,7 @@ def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, si
 
 if triton is not None:
     from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
-                                                  _softmax_block, _softmax_result)
+                                                  _softmax_block, _softmax_init, _softmax_result)
 
     @triton.jit
     def _rotate(x, X, rows, s_row, offs_d, ok, c, s, D: tl.constexpr):
@@ -105,9 +105,7 @@ if triton is not None:
             q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
                         g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
         cache = b * sc_b + kvh * sc_h
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
         for n0 in range(start, stop, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < stop
