@@ -8,7 +8,7 @@
 # full output is in $OUT/<label>.log; a table with ratios is printed last. The whole script
 # stays under DEADLINE seconds (default 530): each command gets the time that is left, and a
 # command that would start with less than a minute left is skipped.
-# CASES="shape:batch ..." and VARIANTS="int4 mm nocustom tune" pick what runs (either may be
+# CASES="shape:batch ..." and VARIANTS="int4 mm gemv nocustom tune" pick what runs (either may be
 # empty), e.g. a second call: CASES= VARIANTS="int4 mm tune" scripts/gpu_bench.sh; HF=0 skips
 # the HF eager peer.
 set -u
@@ -86,9 +86,15 @@ for v in $VARIANTS; do
     rows) run "llmc_llama-1b_bs1_rows" 150 $PY -m llmaccel.bench $L1 --linear rows ;;
     nocustom) run "llmc_llama-1b_bs1_nocustom" 150 $PY -m llmaccel.bench $L1 --lower none ;;
     tune) run "llmc_llama-1b_bs1_tune" 200 $PY -m llmaccel.bench $L1 --tune ;;
+    gemv) run "llmc_llama-1b_bs1_gemv" 150 $PY -m llmaccel.bench $L1 --linear gemv ;;
+    gemvnopdl) LLMACCEL_PDL=0 run "llmc_llama-1b_bs1_gemvnopdl" 150 $PY -m llmaccel.bench $L1 --linear gemv ;;
+    gemv7b) run "llmc_llama2-7b_bs1_gemv" 200 $PY -m llmaccel.bench preset:llama2-7b --batch 1 \
+            --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear gemv ;;
+    gemvsmol) run "llmc_smollm2-135m_bs1_gemv" 150 $PY -m llmaccel.bench preset:smollm2-135m \
+            --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear gemv ;;
     grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
-    *) echo "unknown variant $v (known: int4 mm rows nocustom tune grouped)" ;;
+    *) echo "unknown variant $v (known: int4 mm rows gemv gemvnopdl gemv7b gemvsmol nocustom tune grouped)" ;;
   esac
 done
 
@@ -116,7 +122,9 @@ for (shape, b), goal in goals.items():
           f"{fmt(ours.get('kernels_per_step'), 1):>10}{fmt(ours.get('gpu_ms_per_step'), 3):>8}"
           f"{fmt(ours.get('step_ms'), 3):>8}"
           f"{fmt(ours.get('prefill_tok_s') and b * ours['prompt'] / ours['prefill_tok_s'] * 1e3, 2):>11}")
-for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_nocustom",
+for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_gemv",
+              "llmc_llama-1b_bs1_gemvnopdl", "llmc_llama2-7b_bs1_gemv", "llmc_smollm2-135m_bs1_gemv",
+              "llmc_llama-1b_bs1_nocustom",
               "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):
     r = by.get(label)
     if r is None or "error" in r:

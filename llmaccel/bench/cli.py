@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
                    help="compile the decode step (auto: on CUDA only)")
     p.add_argument("--mode", default="auto", help="torch.compile mode (auto: reduce-overhead on CUDA) | none")
     p.add_argument("--lower", default="all", help="IR ops to map to llmaccel:: custom ops: all | none | op,op")
-    p.add_argument("--linear", default="auto", choices=["auto", "mm", "rows"],
+    p.add_argument("--linear", default="auto", choices=["auto", "mm", "rows", "gemv"],
                    help="decode linears: mm (cuBLAS) or rows (Inductor GEMV); auto: rows at batch <= 4 on CUDA")
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "grouped", "fused", "rows"],
                    help="decode attention over the static cache (auto: fused on CUDA, rows on the CPU)")

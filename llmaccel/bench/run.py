@@ -193,7 +193,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "passes": [p["name"] for p in model.recipe], "compiled": eng.compiled,
-        "linear": eng.linear, "attn": eng.attn, "tune": tune, "max_len": max_len,
+        "linear": eng.linear, "gemv_fusions": eng.decode_report.gemv, "attn": eng.attn, "tune": tune, "max_len": max_len,
         "custom_ops": eng.report.custom, "custom_ops_rejected": sorted(eng.report.rejected),
         "cpu_traced_ops": eng.report.cpu_traced,
         "decode_tok_s": batch * gen_len / gen_s,

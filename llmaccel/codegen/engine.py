@@ -20,7 +20,7 @@ from llmaccel.codegen.static_cache import ATTN_IMPLS, StaticKVCache, fuse_rope
 from llmaccel.compiler.model import Model
 from llmaccel.errors import LlmaccelError
 
-LINEAR_IMPLS = ("auto", "mm", "rows")
+LINEAR_IMPLS = ("auto", "mm", "rows", "gemv")
 # Up to this many rows per step the decode linears run as Inductor reductions (GEMV); with
 # more rows such a kernel reads each weight once per row and a GEMM is better.
 ROWS_MAX_BATCH = 1
@@ -112,11 +112,11 @@ class DecodeEngine:
         self.prefill_gm, self.report = lower(model.gm, max_len=max_len, select=lower_ops,
                                              last_only=True, prepared=shared)
         self.full_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, prepared=shared)
-        self.decode_gm = self.full_gm
+        self.decode_gm, self.decode_report = self.full_gm, self.report
         self.compile_opts = {}
-        if linear == "rows":
-            self.decode_gm, _ = lower(model.gm, max_len=max_len, select=lower_ops, linear="rows",
-                                      prepared=shared)
+        if linear in ("rows", "gemv"):
+            self.decode_gm, self.decode_report = lower(model.gm, max_len=max_len, select=lower_ops,
+                                                       linear=linear, prepared=shared)
         # fused: RoPE runs inside the decode attention kernel (T > 1 forwards rotate first)
         self.rope_fused = fuse_rope(self.decode_gm) if self.attn == "fused" else 0
         # One position tensor per step, made once: no host-to-device copy inside the loop.

@@ -242,6 +242,115 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return True
 
 
+def _gemv_op():
+    return custom_op("llmaccel", "gemv")
+
+
+def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _glu_into_gemv(graph: torch.fx.Graph, g: torch.fx.Node) -> bool:
+    """gemv -> split in two halves -> silu_mul(first, second): the gemv computes the product
+    (glu=True) and replaces silu_mul; whether it did."""
+    split = _single_user(g)
+    if split is None or split.op != "call_method" or split.target != "split" or \
+            split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None) not in (-1, 2):
+        return False
+    sizes = split.args[1]
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != 2 or sizes[0] != sizes[1]:
+        return False
+    parts = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    if len(parts) != 2 or len(split.users) != 2:
+        return False
+    act = _single_user(parts[0])
+    if act is None or act.target is not ops.silu_mul or act.args != (parts[0], parts[1]) or \
+            len(parts[1].users) != 1:
+        return False
+    g.kwargs = {**g.kwargs, "glu": True}
+    act.replace_all_uses_with(g)
+    for n in (act, parts[0], parts[1], split):
+        graph.erase_node(n)
+    return True
+
+
+def _residual_into_gemv(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """add_rms_norm(a, b) (weightless) where a or b is a gemv read by nothing else: the gemv adds
+    the other operand (its residual), and the norm reads the gemv; whether it did."""
+    a, b, weight = node.args[:3]
+    if weight is not None or any(u.target is not operator.getitem for u in node.users):
+        return False
+    for g, res in ((b, a), (a, b)):
+        if isinstance(g, torch.fx.Node) and g.target is _gemv_op().default and len(g.users) == 1 \
+                and len(g.args) < 4 and "residual" not in g.kwargs and not g.kwargs.get("glu"):
+            break
+    else:
+        return False
+    if isinstance(res, torch.fx.Node):  # the gemv will read res: it must come first
+        n = res.next
+        while n is not g and n.op != "output":
+            n = n.next
+        if n is not g:
+            return False
+    g.kwargs = {**g.kwargs, "residual": res}
+    normed = [u for u in node.users if u.args[1] == 0]
+    for u in [u for u in node.users if u.args[1] == 1]:  # the new residual stream
+        u.replace_all_uses_with(g)
+        graph.erase_node(u)
+    if normed:
+        with graph.inserting_after(node):
+            norm = graph.call_function(ops.rms_norm, (g, None), {"eps": node.kwargs["eps"]})
+        for u in normed:
+            u.replace_all_uses_with(norm)
+            graph.erase_node(u)
+    graph.erase_node(node)
+    return True
+
+
+def _norm_into_gemv(graph: torch.fx.Graph, norm: torch.fx.Node) -> bool:
+    """A weightless rms_norm read only by gemvs without a prologue: each computes the norm
+    itself (eps) from the norm's input; whether they did."""
+    if norm.args[1] is not None or not norm.users:
+        return False
+    op = _gemv_op().default
+    if not all(u.target is op and u.args[0] is norm and norm not in u.args[1:] and "eps" not in u.kwargs
+               for u in norm.users):
+        return False
+    for u in list(norm.users):
+        u.args = (norm.args[0], *u.args[1:])
+        u.kwargs = {**u.kwargs, "eps": norm.kwargs["eps"]}
+    graph.erase_node(norm)
+    return True
+
+
+def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Linears with stored floating-point weights become llmaccel::gemv, with their neighbours
+    inside: silu_mul after a gate/up GEMV, the residual add after an o / down GEMV, the weightless
+    RMSNorm before a GEMV. Returns counts {gemv, glu, residual, norm}."""
+    op = _gemv_op()
+    counts = dict.fromkeys(("gemv", "glu", "residual", "norm"), 0)
+    if op is None:
+        return counts
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is ops.linear:
+            w = node.args[1]
+            if isinstance(w, torch.fx.Node) and w.op == "get_attr" and \
+                    weight_of(gm, w).dim() == 2 and weight_of(gm, w).is_floating_point():
+                _retarget(node, op.default)
+                counts["gemv"] += 1
+    for node in list(graph.nodes):
+        if node.target is op.default and _glu_into_gemv(graph, node):
+            counts["glu"] += 1
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is ops.add_rms_norm and _residual_into_gemv(graph, node):
+            counts["residual"] += 1
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is ops.rms_norm and _norm_into_gemv(graph, node):
+            counts["norm"] += 1
+    return counts
+
+
 @dataclass
 class LowerReport:
     custom: dict[str, int] = field(default_factory=dict)   # op -> nodes now on torch.ops.<ns>
@@ -249,6 +358,7 @@ class LowerReport:
     rope: int = 0
     linear_rows: int = 0
     norm_into_rows: int = 0  # linear_rows that compute their input's RMSNorm (linear_rows_rms)
+    gemv: dict[str, int] = field(default_factory=dict)  # linear="gemv": gemv_rewrites' counts
     kernel_modules: dict[str, str] = field(default_factory=dict)
     cpu_traced: dict[str, int] = field(default_factory=dict)  # op -> nodes on a traced CPU form
 
@@ -274,7 +384,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     """A lowered copy of `gm` (weights shared, graph copied); `gm` itself is left unchanged.
 
     select: "all", "none" or a collection of IR op names to map to custom ops.
-    linear: "mm" keeps F.linear for the remaining linears; "rows" uses `linear_rows`.
+    linear: "mm" keeps F.linear for the remaining linears; "rows" uses `linear_rows`; "gemv" the
+        fused Triton GEMVs (`gemv_rewrites`).
     max_len: positions the rope tables cover.
     last_only: the LM head sees only the last position (a prefill that only needs the next token).
     prepared: weights converted for CPU forms, shared by the lowerings of one model (filled here).
@@ -342,8 +453,12 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
                 rep.linear_rows += 1
                 if is_linear and _norm_into_rows(new, node):
                     rep.norm_into_rows += 1
+    elif linear == "gemv":
+        if _gemv_op() is None:
+            load_kernel_modules()
+        rep.gemv = gemv_rewrites(new)
     elif linear != "mm":
-        raise ValueError(f"linear must be 'mm' or 'rows', got {linear!r}")
+        raise ValueError(f"linear must be 'mm', 'rows' or 'gemv', got {linear!r}")
     new.graph.lint()
     new.recompile()
     return new, rep
@@ -359,5 +474,6 @@ def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
 
 
 __all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "largest_linear",
+           "gemv_rewrites",
            "ROWS_MAX_WEIGHTS", "attention_layers",
            "load_kernel_modules", "accepts"]

@@ -1,6 +1,9 @@
 """Triton kernels, one module per op family, each registered as torch.ops.llmaccel.* custom ops."""
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 
@@ -16,3 +19,21 @@ def registered(name: str) -> bool:
         return True
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def _gdc_capable(device_index: int) -> bool:
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(x: torch.Tensor) -> bool:
+    """Whether kernels reading x launch with programmatic dependent launch: a CUDA tensor on
+    sm90+, a compiled (not interpreted) Triton with grid dependency control, and LLMACCEL_PDL
+    not set to 0 (measurements with and without it in one process)."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("LLMACCEL_PDL") == "0":
+        return False
+    return _gdc_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())

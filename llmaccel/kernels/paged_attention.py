@@ -82,6 +82,8 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: flo
 
 # --------------------------------------------------------------------------- Triton kernels
 if triton is not None:
+    from triton.language.extra import cuda as _tl_cuda
+
     @triton.jit
     def _paged_prefill_kernel(Q, KC, VC, O, BT, CU, LENS, scale,
                               sq_n, sq_h, so_n, so_h, sk_b, sk_s, sk_h, sbt,
@@ -215,7 +217,10 @@ if triton is not None:
     @triton.jit
     def _paged_decode_reduce_kernel(MID_O, MID_LSE, O, n_splits, smo_s, smo_h, smo_p, sml_s, sml_h,
                                     so_n, so_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                                    BLOCK_P: tl.constexpr):
+                                    BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # launched early behind the split kernel (static decode attention): wait for it
+            _tl_cuda.gdc_launch_dependents()
+            _tl_cuda.gdc_wait()
         s = tl.program_id(0)
         h = tl.program_id(1)
         offs_p = tl.arange(0, BLOCK_P)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from llmaccel.kernels import cdiv, registered
+from llmaccel.kernels import cdiv, pdl_enabled, registered
 from llmaccel.ops.attention import attend_heads
 
 try:
@@ -71,6 +71,8 @@ def static_decode_ref(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, si
 
 
 if triton is not None:
+    from triton.language.extra import cuda as _tl_cuda
+
     from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
                                                   _softmax_block, _softmax_init, _softmax_result)
 
@@ -91,7 +93,11 @@ if triton is not None:
                               so_b, so_h, smo_s, smo_h, smo_p,
                               sml_s, sml_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                              SPLIT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
+                              SPLIT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
+                              PDL: tl.constexpr):
+        if PDL:  # launched early behind the GEMV that makes q, k, v: wait for it
+            _tl_cuda.gdc_launch_dependents()
+            _tl_cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -191,6 +197,8 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None,
     else:
         mid_o, mid_lse = out, out  # unused (SPLIT=False); any tensors with the strides read
     tables = (cos, sin) if rope else (q, q)  # unused without ROPE
+    pdl = pdl_enabled(q)
+    extra = {"launch_pdl": True} if pdl else {}
     _static_decode_kernel[(B, Hkv, n)](
         q, k, v, k_cache, v_cache, pos, out, mid_o, mid_lse, *tables, scale, split_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -199,12 +207,13 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D,
-        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32, ROPE=rope, num_warps=num_warps)
+        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32, ROPE=rope, PDL=pdl,
+        num_warps=num_warps, **extra)
     if n > 1:
         _paged_decode_reduce_kernel[(B, H)](
             mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            D=D, BLOCK_D=BLOCK_D, BLOCK_P=max(2, triton.next_power_of_2(n)))
+            D=D, BLOCK_D=BLOCK_D, BLOCK_P=max(2, triton.next_power_of_2(n)), PDL=pdl, **extra)
     return out
 
 

@@ -126,6 +126,34 @@ def test_norm_folds_into_the_rows_gemv():
     _close(low(ids, pos, None), m.gm(ids, pos, None))
 
 
+@pytest.mark.parametrize("passes", [["fuse"], []])
+def test_gemv_lowering_fuses_the_neighbours(passes):
+    """linear="gemv": every linear a llmaccel::gemv; after `fuse`, the SiLU-mul, the residual adds
+    and the RMSNorms before linears inside them; without `fuse` (norm scales not folded, q, k, v
+    apart) only the linears. Same logits in fp32 (the op's CPU form is its reference)."""
+    m = compile("preset:tiny-llama", passes, progress=False)
+    L = m.config.n_layers
+    low, rep = lower(m.gm, max_len=64, select="none", linear="gemv")
+    if passes:
+        assert rep.gemv == {"gemv": 4 * L, "glu": L, "residual": 2 * L, "norm": 2 * L}
+        names = [getattr(n.target, "__name__", str(n.target)) for n in low.graph.nodes if n.op == "call_function"]
+        assert not {"silu_mul", "add_rms_norm"} & set(names) and names.count("rms_norm") == 1  # before the LM head
+    else:
+        assert rep.gemv == {"gemv": 7 * L, "glu": 0, "residual": 0, "norm": 0}
+    ids = torch.randint(0, 512, (2, 20))
+    pos = torch.arange(20)[None].expand(2, -1)
+    _close(low(ids, pos, None), m.gm(ids, pos, None))
+
+
+def test_gemv_engine_matches_reference_compiled():
+    torch._dynamo.reset()
+    ids = torch.randint(0, 512, (2, 9))
+    m = compile("preset:tiny-llama", ["fuse"], progress=False)
+    eng = DecodeEngine(m, 2, 16, compile=True, backend="aot_eager", linear="gemv", attn="fused")
+    assert eng.decode_report.gemv["gemv"] == 4 * m.config.n_layers and eng.rope_fused == m.config.n_layers
+    _close(_stepwise(eng, ids, 5), load("preset:tiny-llama").logits(ids))
+
+
 def test_compiled_prefill_over_many_prompt_lengths():
     """The prefill compiles one variant per prompt length for its first few lengths and runs
     the others eagerly; Dynamo's recompile limit (shared by every engine's prefill) never

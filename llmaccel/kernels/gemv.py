@@ -1,0 +1,206 @@
+"""GEMV for the decode step at a few rows, with its neighbours fused (one launch per linear).
+
+  llmaccel::gemv(x (..., K), weight (N, K), bias=None, residual=None, *, eps=None, glu=False)
+      y = W x (+ bias), fp32 accumulation, one rounding to x's dtype at the end, and:
+      eps:      x is first RMS-normalized (weightless: `fuse` folds the norm's scale into W);
+                computed as (W x) * rsqrt(mean(x^2) + eps), the statistics in the same program
+      glu:      W holds the gate rows then the up rows (`fuse`'s gate_up): out = silu(g) * u,
+                (N / 2 outputs), each program reads the matching gate and up rows
+      residual: out = residual + (the above): the residual add after o and down projections
+
+A decode layer of a Llama-style model is then four GEMVs and its attention: the RMSNorms, the
+SiLU-mul and the residual adds cost no launch of their own (at batch 1 a launch costs about
+what a 2048 x 2048 GEMV does).
+
+Each program owns BLOCK_N output rows over the whole K (BLOCK_K >= K, masked): it issues the
+loads of its weight tile first, and only then waits for the previous kernel (programmatic
+dependent launch, sm90+): weights do not depend on it, so their reads overlap the tail of the
+kernel before, and the launch gap between them. The programs also let the next kernel launch
+early (`gdc_launch_dependents`), so chains of these kernels stream the weights back to back.
+Without PDL (older GPUs, the interpreter) the same kernel runs with the two calls compiled out.
+CPU implementation: the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmaccel.kernels import cdiv, pdl_enabled, registered
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton
+    triton = None
+
+# Weights per program (BLOCK_N x BLOCK_K) and warps; from the sweep on the H200
+# (scripts/gpu_gemv_probe.py).
+ELEMS = 8192
+WARPS = 4
+# Above this K a program would hold too large a tile in registers: the op stays correct but
+# loops over K in chunks of this size (no prefetch before the wait).
+MAX_BLOCK_K = 16384
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, *, eps: float | None = None,
+             glu: bool = False) -> torch.Tensor:
+    """The op's values, fp32 throughout and one rounding to x's dtype."""
+    xf = x.float()
+    y = xf @ weight.float().t()
+    if eps is not None:
+        y = y * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if bias is not None:
+        y = y + bias.float()
+    if glu:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+def _check(x, weight, bias, residual, glu) -> int:
+    """Output width; raises ValueError on shapes the op does not take."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree")
+    n = weight.shape[0]
+    if glu and n % 2:
+        raise ValueError(f"gemv: glu needs an even number of weight rows, got {n}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"gemv: bias {tuple(bias.shape)} for {n} weight rows")
+    n_out = n // 2 if glu else n
+    if residual is not None and residual.shape != (*x.shape[:-1], n_out):
+        raise ValueError(f"gemv: residual {tuple(residual.shape)}, output {(*x.shape[:-1], n_out)}")
+    return n_out
+
+
+if triton is not None:
+    from triton.language.extra import cuda as _tl_cuda
+
+    @triton.jit
+    def _gemv_kernel(X, W, BIAS, R, O, N_OUT, K, s_x, s_w, s_r, s_o, eps,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        m = tl.program_id(1)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N_OUT
+        wp = W + rn[:, None].to(tl.int64) * s_w + rk[None, :]
+        up = W + (rn + N_OUT)[:, None].to(tl.int64) * s_w + rk[None, :]  # glu: the up rows
+        xp = X + m.to(tl.int64) * s_x + rk
+        if ONE_CHUNK:
+            k_ok = rk < K
+            wm = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(wp, mask=wm, other=0.0)
+            if GLU:
+                wu = tl.load(up, mask=wm, other=0.0)
+            if PDL:
+                _tl_cuda.gdc_launch_dependents()
+                _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
+            x = tl.load(xp, mask=k_ok, other=0.0).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+            if GLU:
+                u = tl.sum(wu.to(tl.float32) * x[None, :], 1)
+            if NORM:
+                ss = tl.sum(x * x, 0)
+        else:
+            if PDL:
+                _tl_cuda.gdc_launch_dependents()
+                _tl_cuda.gdc_wait()
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if GLU:
+                acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if NORM:
+                acc_ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = k0 + rk < K
+                wm = n_ok[:, None] & k_ok[None, :]
+                x = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(wp + k0, mask=wm, other=0.0)
+                acc += w.to(tl.float32) * x[None, :]
+                if GLU:
+                    wu = tl.load(up + k0, mask=wm, other=0.0)
+                    acc_u += wu.to(tl.float32) * x[None, :]
+                if NORM:
+                    acc_ss += x * x
+            y = tl.sum(acc, 1)
+            if GLU:
+                u = tl.sum(acc_u, 1)
+            if NORM:
+                ss = tl.sum(acc_ss, 0)
+        if NORM:
+            r = tl.rsqrt(ss / K + eps)
+            y = y * r
+            if GLU:
+                u = u * r
+        if HAS_BIAS:
+            y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if GLU:
+                u += tl.load(BIAS + N_OUT + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if GLU:
+            y = y / (1.0 + tl.exp(-y)) * u
+        if HAS_RES:
+            y += tl.load(R + m.to(tl.int64) * s_r + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
+
+
+def gemv_config(n_out: int, k: int, glu: bool, elems: int = ELEMS) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): the whole K in one tile up to MAX_BLOCK_K, about `elems` weights per
+    program (per half with glu)."""
+    block_k = min(max(16, triton.next_power_of_2(k)), MAX_BLOCK_K)
+    block_n = max(1, min(elems // block_k, triton.next_power_of_2(n_out)))
+    if glu:
+        block_n = max(1, block_n // 2)
+    return block_n, block_k
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, *, eps: float | None = None, glu: bool = False,
+                block_n: int | None = None, num_warps: int = WARPS, elems: int = ELEMS,
+                pdl: bool | None = None) -> torch.Tensor:
+    n_out = _check(x, weight, bias, residual, glu)
+    K = weight.shape[1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    r = residual.reshape(M, n_out) if residual is not None else None
+    if r is not None and r.stride(-1) != 1:
+        r = r.contiguous()
+    bn, bk = gemv_config(n_out, K, glu, elems)
+    bn = block_n or bn
+    if pdl is None:
+        pdl = pdl_enabled(x)
+    extra = {"launch_pdl": True} if pdl else {}
+    _gemv_kernel[(cdiv(n_out, bn), M)](
+        x2, w, bias if bias is not None else w, r if r is not None else out, out, n_out, K,
+        x2.stride(0), w.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
+        float(eps) if eps is not None else 0.0,
+        HAS_BIAS=bias is not None, HAS_RES=r is not None, NORM=eps is not None, GLU=glu,
+        BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=K <= bk, PDL=pdl, num_warps=num_warps, **extra)
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+if not registered("gemv"):
+    @torch.library.custom_op("llmaccel::gemv", mutates_args=())
+    def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, *, eps: float | None = None,
+             glu: bool = False) -> torch.Tensor:
+        """((RMS-normalized) x) W^T (+ bias), (silu(gate) * up,) (+ residual); see the module."""
+        _check(x, weight, bias, residual, glu)
+        return gemv_ref(x, weight, bias, residual, eps=eps, glu=glu)
+
+    @gemv.register_fake
+    def _(x, weight, bias=None, residual=None, *, eps=None, glu=False):
+        n_out = _check(x, weight, bias, residual, glu)
+        return x.new_empty((*x.shape[:-1], n_out))
+
+    if triton is not None:
+        @gemv.register_kernel("cuda")
+        def _(x, weight, bias=None, residual=None, *, eps=None, glu=False):
+            return gemv_triton(x, weight, bias, residual, eps=eps, glu=glu)

@@ -1,0 +1,133 @@
+"""Fused decode GEMV (llmaccel::gemv) tilings against cuBLAS on the GPU, and a decode-layer chain
+with and without programmatic dependent launch.
+
+Single GEMVs: a CUDA graph of calls cycling over weight copies (more bytes than L2 holds;
+scripts/gpu_quant_bench.py's timer), microseconds per call and TB/s of weight read, for cuBLAS
+F.linear and the Triton kernel at several weights-per-program and warps (without PDL, then the
+best tiling with PDL: back-to-back independent GEMVs overlap). Chain: llama-1b's 16 layers of
+qkv (norm inside), o (+ residual), gate/up (norm inside, SiLU-mul), down (+ residual), each
+reading the one before, as in a decode step without its attention.
+
+    PYTHONPATH=$PWD python scripts/gpu_gemv_probe.py --out $OUT/gemv_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from llmaccel.kernels.gemv import gemv_triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_quant_bench import time_graph  # noqa: E402
+
+SHAPES = {  # name: (N, K, glu)
+    "1b.qkv": (3072, 2048, False), "1b.o": (2048, 2048, False), "1b.gate_up": (16384, 2048, True),
+    "1b.down": (2048, 8192, False),
+    "smol.qkv": (960, 576, False), "smol.o": (576, 576, False), "smol.gate_up": (3072, 576, True),
+    "smol.down": (576, 1536, False),
+    "7b.qkv": (12288, 4096, False), "7b.o": (4096, 4096, False), "7b.gate_up": (22016, 4096, True),
+    "7b.down": (4096, 11008, False),
+}
+TILES = [(e, w) for e in (4096, 8192, 16384, 32768) for w in (4, 8)]
+
+
+def single(name, N, K, glu, bw):
+    nbytes = N * K * 2
+    copies = max(2, -(-(400 << 20) // nbytes))
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    res = {"shape": [N, K], "glu": glu, "MB": nbytes / 1e6}
+
+    def rate(s):
+        return {"us": round(s * 1e6, 2), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
+
+    res["cublas"] = rate(time_graph(lambda i: (lambda: F.linear(x, ws[i])), copies))
+    best = None
+    for elems, warps in TILES:
+        try:
+            s = time_graph(lambda i: (lambda: gemv_triton(x, ws[i], glu=glu, elems=elems, num_warps=warps,
+                                                          pdl=False)), copies)
+        except Exception as e:  # a tiling that does not compile: recorded, not fatal
+            res[f"e{elems}w{warps}"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
+        res[f"e{elems}w{warps}"] = rate(s)
+        if best is None or s < best[0]:
+            best = (s, elems, warps)
+    if best is not None:
+        _, elems, warps = best
+        res["best"] = f"e{elems}w{warps}"
+        res["best_pdl"] = rate(time_graph(lambda i: (lambda: gemv_triton(
+            x, ws[i], glu=glu, elems=elems, num_warps=warps, pdl=True)), copies))
+    print(f"{name:<14}{nbytes / 1e6:>7.1f} MB  cublas {res['cublas']['us']:>7.2f} us "
+          f"({res['cublas']['frac']:.0%})  best {res.get('best')}: "
+          f"{res[res['best']]['us'] if best else float('nan'):>7.2f} us "
+          f"({res[res['best']]['frac'] if best else 0:.0%})  +pdl "
+          f"{res['best_pdl']['us'] if best else float('nan'):>7.2f} us", flush=True)
+    del ws
+    torch.cuda.empty_cache()
+    return res
+
+
+def chain(bw, elems, warps):
+    """llama-1b's 16 layers without attention: one step's linears, fused, PDL on and off."""
+    H, I, L = 2048, 8192, 16
+    torch.manual_seed(0)
+    layers = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+               for n, k in ((3 * H // 2, H), (H, H), (2 * I, H), (H, I))] for _ in range(L)]
+    nbytes = sum(w.numel() * 2 for ly in layers for w in ly)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    out = {"MB": nbytes / 1e6}
+
+    def fused(pdl):
+        def step():
+            h = x
+            for wq, wo, wgu, wd in layers:
+                a = gemv_triton(h, wq, eps=1e-5, pdl=pdl, elems=elems, num_warps=warps)[:, :H]
+                h = gemv_triton(a, wo, residual=h, pdl=pdl, elems=elems, num_warps=warps)
+                m = gemv_triton(h, wgu, eps=1e-5, glu=True, pdl=pdl, elems=elems, num_warps=warps)
+                h = gemv_triton(m, wd, residual=h, pdl=pdl, elems=elems, num_warps=warps)
+            return h
+        return step
+
+    def cublas():
+        h = x
+        for wq, wo, wgu, wd in layers:
+            a = F.linear(h, wq)[:, :H]
+            h = F.linear(a, wo)
+            m = F.linear(h, wgu)[:, :I]
+            h = F.linear(m, wd)
+        return h
+
+    for label, fn in (("fused_pdl", fused(True)), ("fused", fused(False)), ("cublas_gemvs_only", cublas)):
+        s = time_graph(lambda i, fn=fn: fn, 1)
+        out[label] = {"us": round(s * 1e6, 1), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
+        print(f"chain {label:<18} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    a = ap.parse_args()
+    from llmaccel.bench.run import copy_bandwidth
+
+    bw = copy_bandwidth(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
+    res = {"device": torch.cuda.get_device_name(), "copy_TBs": bw / 1e12, "single": {}}
+    for name in a.shapes.split(","):
+        res["single"][name] = single(name, *SHAPES[name], bw)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    res["chain"] = chain(bw, 8192, 4)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The fused decode GEMV against its reference, and the reference against the unfused ops.
+
+CPU: the Triton interpreter (TRITON_INTERPRET=1) at small shapes, fp32 and fp16, with every
+combination of the fusions (norm prologue, glu, bias, residual), one tile and K-chunked, one and
+several rows. Tolerance: fp32 1e-4 relative to the largest |output| (summation order over K up to
+1,000); fp16 / bf16 one rounding of the output plus the order of an fp32 sum: 1e-2.
+GPU: real shapes of llama-1b, SmolLM2 and llama2-7b in bf16, with programmatic dependent launch
+inside a CUDA graph (a chain of GEMVs where each reads the previous one's output).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from llmaccel import ops  # noqa: E402
+
+gv = pytest.importorskip("llmaccel.kernels.gemv")
+INTERPRETED = gv.triton is not None and type(gv._gemv_kernel).__name__ == "InterpretedFunction"
+
+
+def case(M, N, K, dtype, *, glu=False, bias=False, residual=False, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed + M * 7 + N * 13 + K)
+    x = torch.randn(M, 1, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+    b = (0.1 * torch.randn(N, generator=g)).to(device, dtype) if bias else None
+    n_out = N // 2 if glu else N
+    r = torch.randn(M, 1, n_out, generator=g).to(device, dtype) if residual else None
+    return x, w, b, r
+
+
+def check(out, ref, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.float().abs().max().item()), err
+
+
+def unfused(x, w, b, r, eps, glu):
+    """The same computation as the IR ops it replaces, in fp32."""
+    x, w = x.float(), w.float()
+    b = b.float() if b is not None else None
+    h = ops.rms_norm(x, None, eps=eps) if eps is not None else x
+    y = ops.linear(h, w, b)
+    if glu:
+        y = ops.silu_mul(*y.chunk(2, dim=-1))
+    return y + r.float() if r is not None else y
+
+
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True), (False, True)])
+def test_reference_matches_the_unfused_ops(eps, glu, bias, residual):
+    x, w, b, r = case(3, 24, 40, torch.float32, glu=glu, bias=bias, residual=residual)
+    ref = gv.gemv_ref(x, w, b, r, eps=eps, glu=glu)
+    assert torch.allclose(ref, unfused(x, w, b, r, eps, glu), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (2, 40, 100), (1, 7, 33)])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_interpreter(M, N, K, eps, glu, bias, residual, dtype):
+    if glu and N % 2:
+        N += 1
+    x, w, b, r = case(M, N, K, dtype, glu=glu, bias=bias, residual=residual)
+    ref = gv.gemv_ref(x, w, b, r, eps=eps, glu=glu)
+    check(gv.gemv_triton(x, w, b, r, eps=eps, glu=glu), ref, dtype)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("glu,eps", [(False, None), (True, 1e-5)])
+def test_gemv_interpreter_k_chunks(glu, eps, monkeypatch):
+    """K past MAX_BLOCK_K: the program loops over K (no prefetch), same values."""
+    monkeypatch.setattr(gv, "MAX_BLOCK_K", 32)
+    x, w, b, r = case(2, 12, 100, torch.float32, glu=glu, bias=True, residual=True)
+    assert gv.gemv_config(6 if glu else 12, 100, glu)[1] == 32
+    check(gv.gemv_triton(x, w, b, r, eps=eps, glu=glu), gv.gemv_ref(x, w, b, r, eps=eps, glu=glu),
+          torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+def test_gemv_interpreter_strided_input():
+    """A view with a row stride (a slice of a wider buffer) is read in place."""
+    x, w, _, _ = case(3, 16, 32, torch.float32)
+    wide = torch.randn(3, 1, 80)
+    wide[..., 8:40] = x
+    view = wide[..., 8:40]
+    check(gv.gemv_triton(view, w), gv.gemv_ref(x, w), torch.float32)
+
+
+def test_custom_op_on_cpu_and_shape_errors():
+    x, w, b, r = case(2, 16, 24, torch.float32, glu=True, bias=True, residual=True)
+    out = torch.ops.llmaccel.gemv(x, w, b, r, eps=1e-6, glu=True)
+    assert torch.allclose(out, gv.gemv_ref(x, w, b, r, eps=1e-6, glu=True))
+    with pytest.raises(ValueError, match="disagree"):
+        torch.ops.llmaccel.gemv(x, w[:, :-1])
+    with pytest.raises(ValueError, match="even"):
+        torch.ops.llmaccel.gemv(x, w[:-1], glu=True)
+    with pytest.raises(ValueError, match="residual"):
+        torch.ops.llmaccel.gemv(x, w, residual=r)  # 16 outputs without glu, residual of 8
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 1, 64)
+        w = torch.empty(96, 64)
+        assert torch.ops.llmaccel.gemv(x, w, glu=True).shape == (4, 1, 48)
+        assert torch.ops.llmaccel.gemv(x, w).shape == (4, 1, 96)
+
+
+SHAPES = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
+          (960, 576, False), (3072, 576, True), (576, 1536, False),
+          (12288, 4096, False), (22016, 4096, True), (4096, 11008, False), (8, 20000, False)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,K,glu", SHAPES)
+@pytest.mark.parametrize("eps,bias,residual", [(None, False, False), (1e-5, False, False),
+                                               (None, True, True), (1e-5, False, True)])
+def test_gemv_cuda(N, K, glu, eps, bias, residual):
+    x, w, b, r = case(1, N, K, torch.bfloat16, glu=glu, bias=bias, residual=residual, device="cuda")
+    ref = gv.gemv_ref(x, w, b, r, eps=eps, glu=glu)
+    check(torch.ops.llmaccel.gemv(x, w, b, r, eps=eps, glu=glu), ref, torch.bfloat16)
+    check(gv.gemv_triton(x, w, b, r, eps=eps, glu=glu, pdl=False), ref, torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_gemv_cuda_several_rows_and_fp32():
+    x, w, b, r = case(5, 640, 1000, torch.float32, glu=True, bias=True, residual=True, device="cuda")
+    check(gv.gemv_triton(x, w, b, r, eps=1e-6, glu=True), gv.gemv_ref(x, w, b, r, eps=1e-6, glu=True),
+          torch.float32)
+
+
+@pytest.mark.cuda
+def test_gemv_chain_in_a_cuda_graph():
+    """Four layers of qkv-, o-, gate/up- and down-shaped GEMVs, each reading the one before,
+    captured in a CUDA graph (with PDL where the GPU has it) and replayed on new inputs: the
+    same values as the reference chain."""
+    torch.manual_seed(0)
+    H, I = 1024, 2048
+    layers = [[(torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16() for n, k in
+               ((H, H), (H, H), (2 * I, H), (H, I))] for _ in range(4)]
+
+    def chain(h, fn):
+        for wq, wo, wgu, wd in layers:
+            a = fn(h, wq, eps=1e-5)
+            h = fn(a, wo, residual=h)
+            m = fn(h, wgu, eps=1e-5, glu=True)
+            h = fn(m, wd, residual=h)
+        return h
+
+    def ref(x, w, residual=None, eps=None, glu=False):
+        return gv.gemv_ref(x, w, None, residual, eps=eps, glu=glu)
+
+    def op(x, w, residual=None, eps=None, glu=False):
+        return torch.ops.llmaccel.gemv(x, w, None, residual, eps=eps, glu=glu)
+
+    x = torch.randn(1, 1, H, device="cuda").bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(x, op)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(x, op)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 1, H, generator=torch.Generator().manual_seed(seed)).cuda().bfloat16())
+        g.replay()
+        torch.cuda.synchronize()
+        want = chain(x, ref)
+        err = (out.float() - want.float()).abs().max().item()
+        assert err <= 3e-2 * want.float().abs().max().item(), err
