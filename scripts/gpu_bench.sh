@@ -92,9 +92,11 @@ for v in $VARIANTS; do
             --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear gemv ;;
     gemvsmol) run "llmc_smollm2-135m_bs1_gemv" 150 $PY -m llmaccel.bench preset:smollm2-135m \
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear gemv ;;
+    smolrows) run "llmc_smollm2-135m_bs1_rows" 150 $PY -m llmaccel.bench preset:smollm2-135m \
+            --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear rows ;;
     grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
-    *) echo "unknown variant $v (known: int4 mm rows gemv gemvnopdl gemv7b gemvsmol nocustom tune grouped)" ;;
+    *) echo "unknown variant $v (known: int4 mm rows gemv gemvnopdl gemv7b gemvsmol smolrows nocustom tune grouped)" ;;
   esac
 done
 
@@ -123,7 +125,7 @@ for (shape, b), goal in goals.items():
           f"{fmt(ours.get('step_ms'), 3):>8}"
           f"{fmt(ours.get('prefill_tok_s') and b * ours['prompt'] / ours['prefill_tok_s'] * 1e3, 2):>11}")
 for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_gemv",
-              "llmc_llama-1b_bs1_gemvnopdl", "llmc_llama2-7b_bs1_gemv", "llmc_smollm2-135m_bs1_gemv",
+              "llmc_llama-1b_bs1_gemvnopdl", "llmc_llama2-7b_bs1_gemv", "llmc_smollm2-135m_bs1_gemv", "llmc_smollm2-135m_bs1_rows",
               "llmc_llama-1b_bs1_nocustom",
               "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):
     r = by.get(label)

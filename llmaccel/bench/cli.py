@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mode", default="auto", help="torch.compile mode (auto: reduce-overhead on CUDA) | none")
     p.add_argument("--lower", default="all", help="IR ops to map to llmaccel:: custom ops: all | none | op,op")
     p.add_argument("--linear", default="auto", choices=["auto", "mm", "rows", "gemv"],
-                   help="decode linears: mm (cuBLAS) or rows (Inductor GEMV); auto: rows at batch <= 4 on CUDA")
+                   help="decode linears: mm (cuBLAS), rows (Inductor GEMV) or gemv (fused Triton GEMV); "
+                        "auto: gemv at batch 1 on CUDA")
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "grouped", "fused", "rows"],
                    help="decode attention over the static cache (auto: fused on CUDA, rows on the CPU)")
     p.add_argument("--warmup", type=int, default=2)

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn as nn
 
-from llmaccel.codegen.engine import DecodeEngine, StepState
+from llmaccel.codegen.engine import DecodeEngine, StepState, greedy
 from llmaccel.errors import LlmaccelError
 from llmaccel.runtime.speculative import NgramDraft
 
@@ -108,7 +108,7 @@ class SpeculativeDecoder:
         def draft_step() -> None:
             pos = d.pos
             logits = gm(d.tok, pos[None, :], cache.bind(pos, attn))
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            nxt = greedy(logits[:, -1])
             d.out.index_copy_(1, pos + 1, nxt)
             d.tok.copy_(nxt)
             d.pos.add_(1)

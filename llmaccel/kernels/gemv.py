@@ -33,10 +33,11 @@ try:
 except ImportError:  # the reference works without triton
     triton = None
 
-# Weights per program (BLOCK_N x BLOCK_K) and warps; from the sweep on the H200
-# (scripts/gpu_gemv_probe.py).
-ELEMS = 8192
-WARPS = 4
+# Weights per program (both tiles with glu), and warps for tiles up to that size (4 above):
+# the best of 4-32K weights x 4/8 warps on llama-1b, SmolLM2 and llama2-7b shapes on the H200
+# (scripts/gpu_gemv_probe.py; docs/results/h200-2026-11-30-gemv-probe.json).
+ELEMS = 4096
+WARPS = 8
 # Above this K a program would hold too large a tile in registers: the op stays correct but
 # loops over K in chunks of this size (no prefetch before the wait).
 MAX_BLOCK_K = 16384
@@ -147,19 +148,19 @@ if triton is not None:
         tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
 
 
-def gemv_config(n_out: int, k: int, glu: bool, elems: int = ELEMS) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the whole K in one tile up to MAX_BLOCK_K, about `elems` weights per
-    program (per half with glu)."""
+def gemv_config(n_out: int, k: int, glu: bool, elems: int = ELEMS) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps): the whole K in one tile up to MAX_BLOCK_K, about `elems`
+    weights per program (gate and up tiles together with glu), at least one row."""
     block_k = min(max(16, triton.next_power_of_2(k)), MAX_BLOCK_K)
-    block_n = max(1, min(elems // block_k, triton.next_power_of_2(n_out)))
-    if glu:
-        block_n = max(1, block_n // 2)
-    return block_n, block_k
+    tiles = 2 if glu else 1
+    block_n = max(1, min(elems // (tiles * block_k), triton.next_power_of_2(n_out)))
+    warps = WARPS if block_n * block_k * tiles <= ELEMS else 4
+    return block_n, block_k, warps
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, *, eps: float | None = None, glu: bool = False,
-                block_n: int | None = None, num_warps: int = WARPS, elems: int = ELEMS,
+                block_n: int | None = None, num_warps: int | None = None, elems: int = ELEMS,
                 pdl: bool | None = None) -> torch.Tensor:
     n_out = _check(x, weight, bias, residual, glu)
     K = weight.shape[1]
@@ -172,8 +173,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     r = residual.reshape(M, n_out) if residual is not None else None
     if r is not None and r.stride(-1) != 1:
         r = r.contiguous()
-    bn, bk = gemv_config(n_out, K, glu, elems)
-    bn = block_n or bn
+    bn, bk, warps = gemv_config(n_out, K, glu, elems)
+    bn, num_warps = block_n or bn, num_warps or warps
     if pdl is None:
         pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}

@@ -183,3 +183,18 @@ def test_rope_fused_graph_runs_without_a_cache():
     ids = torch.randint(0, 512, (2, 9))
     pos = torch.arange(9)[None].expand(2, -1)
     _close(low(ids, pos, None), m.gm(ids, pos, None))
+
+
+@pytest.mark.parametrize("V", [128256, 49152, 32000, 50257, 512])
+def test_greedy_is_argmax_with_ties(V):
+    """The two-stage argmax of the decode step: the first index of the maximum, ties included."""
+    from llmaccel.codegen.engine import greedy
+
+    g = torch.Generator().manual_seed(V)
+    for t in range(6):
+        x = torch.randn(3, V, generator=g).bfloat16()
+        if t % 2:
+            x = (2 * x).round()  # many equal values
+        if t == 5:
+            x[:, ::7] = x.max()  # the maximum in many chunks
+        assert torch.equal(greedy(x), x.argmax(-1, keepdim=True))
