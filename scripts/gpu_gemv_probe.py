@@ -9,6 +9,7 @@ qkv (norm inside), o (+ residual), gate/up (norm inside, SiLU-mul), down (+ resi
 reading the one before, as in a decode step without its attention.
 
     PYTHONPATH=$PWD python scripts/gpu_gemv_probe.py --out $OUT/gemv_probe.json
+    PYTHONPATH=$PWD python scripts/gpu_gemv_probe.py --out $OUT/chains.json --shapes '' --chains smol,1b,7b --sweep
 """
 from __future__ import annotations
 
@@ -73,28 +74,35 @@ def single(name, N, K, glu, bw):
     return res
 
 
-def chain(bw, elems, warps):
-    """llama-1b's 16 layers without attention: one step's linears, fused, PDL on and off."""
-    H, I, L = 2048, 8192, 16
+MODELS = {"smol": (576, 960, 1536, 30), "1b": (2048, 3072, 8192, 16), "7b": (4096, 12288, 11008, 32)}
+
+
+def chain(bw, model="1b", tiles=((None, None),), cublas=True):
+    """A model's layers without attention: one step's linears, fused, each reading the one
+    before; with PDL for each (weights per program, warps) in tiles (None: the op's own), once
+    without PDL at the op's tiling, and cuBLAS GEMVs alone."""
+    H, QKV, I, L = MODELS[model]
     torch.manual_seed(0)
     layers = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-               for n, k in ((3 * H // 2, H), (H, H), (2 * I, H), (H, I))] for _ in range(L)]
+               for n, k in ((QKV, H), (H, H), (2 * I, H), (H, I))] for _ in range(L)]
     nbytes = sum(w.numel() * 2 for ly in layers for w in ly)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = {"MB": nbytes / 1e6}
 
-    def fused(pdl):
+    def fused(pdl, elems, warps):
+        kw = dict(pdl=pdl, num_warps=warps, **({"elems": elems} if elems else {}))
+
         def step():
             h = x
             for wq, wo, wgu, wd in layers:
-                a = gemv_triton(h, wq, eps=1e-5, pdl=pdl, elems=elems, num_warps=warps)[:, :H]
-                h = gemv_triton(a, wo, residual=h, pdl=pdl, elems=elems, num_warps=warps)
-                m = gemv_triton(h, wgu, eps=1e-5, glu=True, pdl=pdl, elems=elems, num_warps=warps)
-                h = gemv_triton(m, wd, residual=h, pdl=pdl, elems=elems, num_warps=warps)
+                a = gemv_triton(h, wq, eps=1e-5, **kw)[:, :H]
+                h = gemv_triton(a, wo, residual=h, **kw)
+                m = gemv_triton(h, wgu, eps=1e-5, glu=True, **kw)
+                h = gemv_triton(m, wd, residual=h, **kw)
             return h
         return step
 
-    def cublas():
+    def cublas_step():
         h = x
         for wq, wo, wgu, wd in layers:
             a = F.linear(h, wq)[:, :H]
@@ -103,28 +111,45 @@ def chain(bw, elems, warps):
             h = F.linear(m, wd)
         return h
 
-    for label, fn in (("fused_pdl", fused(True)), ("fused", fused(False)), ("cublas_gemvs_only", cublas)):
-        s = time_graph(lambda i, fn=fn: fn, 1)
+    runs = [(f"pdl_e{e}w{w}", fused(True, e, w)) for e, w in tiles] + [("nopdl", fused(False, None, None))]
+    if cublas:
+        runs.append(("cublas_gemvs_only", cublas_step))
+    for label, fn in runs:
+        try:
+            s = time_graph(lambda i, fn=fn: fn, 1)
+        except Exception as e:
+            out[label] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
         out[label] = {"us": round(s * 1e6, 1), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
-        print(f"chain {label:<18} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})", flush=True)
+        print(f"chain {model} {label:<18} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})",
+              flush=True)
+    del layers
+    torch.cuda.empty_cache()
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="single GEMVs ('' for none)")
+    ap.add_argument("--chains", default="1b", help="models whose layer chain runs")
+    ap.add_argument("--sweep", action="store_true", help="chains at several tilings with PDL")
     a = ap.parse_args()
     from llmaccel.bench.run import copy_bandwidth
 
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s", flush=True)
     res = {"device": torch.cuda.get_device_name(), "copy_TBs": bw / 1e12, "single": {}}
-    for name in a.shapes.split(","):
+    for name in filter(None, a.shapes.split(",")):
         res["single"][name] = single(name, *SHAPES[name], bw)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
-    res["chain"] = chain(bw, 4096, None)  # the op's own tiling
+    tiles = [(e, w) for e in (2048, 4096, 8192, 16384) for w in (2, 4, 8)] if a.sweep else [(None, None)]
+    res["chain"] = {}
+    for m in filter(None, a.chains.split(",")):
+        res["chain"][m] = chain(bw, m, [(None, None), *tiles] if a.sweep else tiles)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -33,11 +33,13 @@ try:
 except ImportError:  # the reference works without triton
     triton = None
 
-# Weights per program (both tiles with glu), and warps for tiles up to that size (4 above):
-# the best of 4-32K weights x 4/8 warps on llama-1b, SmolLM2 and llama2-7b shapes on the H200
-# (scripts/gpu_gemv_probe.py; docs/results/h200-2026-11-30-gemv-probe.json).
+# Weights per program (both tiles with glu) and warps: the best of 2-16K weights x 2/4/8 warps
+# for chains of PDL-launched GEMVs (each reading the one before, as in a decode step) of
+# SmolLM2, llama-1b and llama2-7b layers on the H200 (within 1.3% of each model's best; alone,
+# without PDL, 8 warps read faster, but their waiting dependents crowd the SMs in a chain;
+# scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-30-gemv-chains.json).
 ELEMS = 4096
-WARPS = 8
+WARPS = 4
 # Above this K a program would hold too large a tile in registers: the op stays correct but
 # loops over K in chunks of this size (no prefetch before the wait).
 MAX_BLOCK_K = 16384
@@ -154,8 +156,7 @@ def gemv_config(n_out: int, k: int, glu: bool, elems: int = ELEMS) -> tuple[int,
     block_k = min(max(16, triton.next_power_of_2(k)), MAX_BLOCK_K)
     tiles = 2 if glu else 1
     block_n = max(1, min(elems // (tiles * block_k), triton.next_power_of_2(n_out)))
-    warps = WARPS if block_n * block_k * tiles <= ELEMS else 4
-    return block_n, block_k, warps
+    return block_n, block_k, WARPS
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
