@@ -37,7 +37,7 @@ except ImportError:  # the reference works without triton
 # for chains of PDL-launched GEMVs (each reading the one before, as in a decode step) of
 # SmolLM2, llama-1b and llama2-7b layers on the H200 (within 1.3% of each model's best; alone,
 # without PDL, 8 warps read faster, but their waiting dependents crowd the SMs in a chain;
-# scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-30-gemv-chains.json).
+# scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-29-gemv-chains.json).
 ELEMS = 4096
 WARPS = 4
 # Above this K a program would hold too large a tile in registers: the op stays correct but
