@@ -33,13 +33,13 @@ try:
 except ImportError:  # the reference works without triton
     triton = None
 
-# Weights per program (both tiles with glu) and warps: the best of 2-16K weights x 2/4/8 warps
-# for chains of PDL-launched GEMVs (each reading the one before, as in a decode step) of
-# SmolLM2, llama-1b and llama2-7b layers on the H200 (within 1.3% of each model's best; alone,
-# without PDL, 8 warps read faster, but their waiting dependents crowd the SMs in a chain;
-# scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-29-gemv-chains.json).
-ELEMS = 4096
-WARPS = 4
+# Weights per program (both tiles with glu) and warps: the best for chains of PDL-launched
+# GEMVs (each reading the one before, as in a decode step) among 2-16K weights x 2/4/8 warps on
+# the H200: SmolLM2's and llama-1b's layers 4K x 4 warps, llama2-7b's (K and N >= 4096) 8K x 8
+# (alone and without PDL, 8 warps read faster at 4K, but in a chain their waiting dependents
+# crowd the SMs; scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-29-gemv-chains.json).
+ELEMS, WARPS = 4096, 4
+ELEMS_LARGE, WARPS_LARGE = 8192, 8
 # Above this K a program would hold too large a tile in registers: the op stays correct but
 # loops over K in chunks of this size (no prefetch before the wait).
 MAX_BLOCK_K = 16384
@@ -150,18 +150,21 @@ if triton is not None:
         tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
 
 
-def gemv_config(n_out: int, k: int, glu: bool, elems: int = ELEMS) -> tuple[int, int, int]:
+def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
+                warps: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps): the whole K in one tile up to MAX_BLOCK_K, about `elems`
     weights per program (gate and up tiles together with glu), at least one row."""
     block_k = min(max(16, triton.next_power_of_2(k)), MAX_BLOCK_K)
+    large = block_k >= 4096 and n_out >= 4096
+    elems = elems or (ELEMS_LARGE if large else ELEMS)
     tiles = 2 if glu else 1
     block_n = max(1, min(elems // (tiles * block_k), triton.next_power_of_2(n_out)))
-    return block_n, block_k, WARPS
+    return block_n, block_k, warps or (WARPS_LARGE if large else WARPS)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, *, eps: float | None = None, glu: bool = False,
-                block_n: int | None = None, num_warps: int | None = None, elems: int = ELEMS,
+                block_n: int | None = None, num_warps: int | None = None, elems: int | None = None,
                 pdl: bool | None = None) -> torch.Tensor:
     n_out = _check(x, weight, bias, residual, glu)
     K = weight.shape[1]
@@ -174,8 +177,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     r = residual.reshape(M, n_out) if residual is not None else None
     if r is not None and r.stride(-1) != 1:
         r = r.contiguous()
-    bn, bk, warps = gemv_config(n_out, K, glu, elems)
-    bn, num_warps = block_n or bn, num_warps or warps
+    bn, bk, num_warps = gemv_config(n_out, K, glu, elems, num_warps)
+    bn = block_n or bn
     if pdl is None:
         pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}

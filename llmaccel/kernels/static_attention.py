@@ -95,24 +95,36 @@ if triton is not None:
                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                               SPLIT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr,
                               PDL: tl.constexpr):
-        if PDL:  # launched early behind the GEMV that makes q, k, v: wait for it
-            _tl_cuda.gdc_launch_dependents()
-            _tl_cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
-        P = tl.load(POS).to(tl.int32)
+        P = tl.load(POS).to(tl.int32)  # written by the previous step, before the kernel before
         start = sp * split_len
         stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
+        cache = b * sc_b + kvh * sc_h
+        # The first block of cached keys and values is loaded before waiting for the kernel
+        # before (PDL): only q and the new k, v come from it, so these loads overlap its tail.
+        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_dd = tl.arange(0, BLOCK_D)
+        n_ok = offs_n < stop
+        kv_mask = n_ok[:, None] & (offs_dd < D)[None, :]
+        ptr = cache + offs_n[:, None].to(tl.int64) * sc_s + offs_dd[None, :]
+        k_first = tl.load(KC + ptr, mask=kv_mask, other=0.0)
+        v_first = tl.load(VC + ptr, mask=kv_mask, other=0.0)
+        if PDL:  # launched early behind the GEMV that makes q, k, v: wait for it
+            _tl_cuda.gdc_launch_dependents()
+            _tl_cuda.gdc_wait()
         q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
         if ROPE:
             c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
             s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
             q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
                         g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
-        cache = b * sc_b + kvh * sc_h
         m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
-        for n0 in range(start, stop, BLOCK_N):
+        if start < stop:
+            m_i, l_i, acc = _softmax_block(q, k_first.to(q.dtype), v_first.to(q.dtype), n_ok, m_i, l_i,
+                                           acc, scale, IEEE)
+        for n0 in range(start + BLOCK_N, stop, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < stop
             kv_mask = n_ok[:, None] & d_ok[None, :]
