@@ -1,7 +1,6 @@
 """Plot decode speed against the fast peer and the goals (figures from docs/performance.md).
 
-    python scripts/plot_perf.py docs/results/h200-2026-11-29-bench6.jsonl \
-        docs/results/h200-2026-11-29-bench7.jsonl -o docs/perf-h200.png
+    python scripts/plot_perf.py docs/results/h200-2026-11-29-bench9.jsonl -o docs/perf-h200.png
 
 Reads `scripts/gpu_bench.sh` JSON lines: for each goal case, llmc's decode tok/s, the fast
 peer's in the same call, the goal and the roofline, each as a fraction of the goal.
