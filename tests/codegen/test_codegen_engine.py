@@ -145,6 +145,17 @@ def test_gemv_lowering_fuses_the_neighbours(passes):
     _close(low(ids, pos, None), m.gm(ids, pos, None))
 
 
+def test_gemv_lowering_of_a_gpt2_graph():
+    """GPT-2 (LayerNorm, GELU MLP, biases): the linears become GEMVs with their biases, nothing
+    else moves inside them."""
+    m = compile("preset:tiny-gpt2", ["fuse"], progress=False)
+    low, rep = lower(m.gm, max_len=64, select="none", linear="gemv")
+    assert rep.gemv == {"gemv": 4 * m.config.n_layers, "glu": 0, "residual": 0, "norm": 0}
+    ids = torch.randint(0, 512, (2, 20))
+    pos = torch.arange(20)[None].expand(2, -1)
+    _close(low(ids, pos, None), m.gm(ids, pos, None))
+
+
 def test_gemv_engine_matches_reference_compiled():
     torch._dynamo.reset()
     ids = torch.randint(0, 512, (2, 9))
