@@ -255,13 +255,15 @@ def _glu_into_gemv(graph: torch.fx.Graph, g: torch.fx.Node) -> bool:
     (glu=True) and replaces silu_mul; whether it did."""
     split = _single_user(g)
     if split is None or split.op != "call_method" or split.target != "split" or \
-            split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None) not in (-1, 2):
+            split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None) != -1:
         return False
     sizes = split.args[1]
     if not isinstance(sizes, (list, tuple)) or len(sizes) != 2 or sizes[0] != sizes[1]:
         return False
-    parts = {u.args[1]: u for u in split.users if u.target is operator.getitem}
-    if len(parts) != 2 or len(split.users) != 2:
+    if len(split.users) != 2 or any(u.target is not operator.getitem for u in split.users):
+        return False
+    parts = {u.args[1]: u for u in split.users if isinstance(u.args[1], int)}
+    if set(parts) != {0, 1}:
         return False
     act = _single_user(parts[0])
     if act is None or act.target is not ops.silu_mul or act.args != (parts[0], parts[1]) or \
@@ -286,6 +288,10 @@ def _residual_into_gemv(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
             break
     else:
         return False
+    shapes = [getattr(n.meta.get("val"), "shape", None) if isinstance(n, torch.fx.Node) else None
+              for n in (g, res)]
+    if None not in shapes and shapes[0] != shapes[1]:
+        return False  # a broadcast add: the gemv's residual must have its output's shape
     if isinstance(res, torch.fx.Node):  # the gemv will read res: it must come first
         n = res.next
         while n is not g and n.op != "output":
@@ -313,8 +319,8 @@ def _norm_into_gemv(graph: torch.fx.Graph, norm: torch.fx.Node) -> bool:
     if norm.args[1] is not None or not norm.users:
         return False
     op = _gemv_op().default
-    if not all(u.target is op and u.args[0] is norm and norm not in u.args[1:] and "eps" not in u.kwargs
-               for u in norm.users):
+    if not all(u.target is op and u.args[0] is norm and norm not in u.args[1:]
+               and norm not in u.kwargs.values() and "eps" not in u.kwargs for u in norm.users):
         return False
     for u in list(norm.users):
         u.args = (norm.args[0], *u.args[1:])

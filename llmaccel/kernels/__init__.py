@@ -27,7 +27,8 @@ def _gdc_capable(device_index: int) -> bool:
         from triton.language.extra import cuda
     except ImportError:
         return False
-    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return (torch.version.hip is None and hasattr(cuda, "gdc_wait")  # griddepcontrol is PTX
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 
 def pdl_enabled(x: torch.Tensor) -> bool:

@@ -174,6 +174,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     M = x2.shape[0]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     r = residual.reshape(M, n_out) if residual is not None else None
     if r is not None and r.stride(-1) != 1:
         r = r.contiguous()

@@ -209,3 +209,28 @@ def test_greedy_is_argmax_with_ties(V):
         if t == 5:
             x[:, ::7] = x.max()  # the maximum in many chunks
         assert torch.equal(greedy(x), x.argmax(-1, keepdim=True))
+
+
+def test_gemv_rewrites_leave_other_splits_alone():
+    """SiLU-mul moves into a GEMV only after a split of its output in two halves along dim -1
+    read as parts 0 and 1; a split along another dim keeps its own ops (same values)."""
+    import operator
+
+    from llmaccel import ops
+    from llmaccel.codegen.lower import gemv_rewrites
+
+    for dim, fused in ((-1, 1), (0, 0)):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        lin = g.call_function(ops.linear, (x, g.get_attr("w"), None))
+        sp = g.call_method("split", (lin, [4, 4] if dim == -1 else [1, 1]), {"dim": dim})
+        g.output(g.call_function(ops.silu_mul, (g.call_function(operator.getitem, (sp, 0)),
+                                                g.call_function(operator.getitem, (sp, 1)))))
+        root = torch.nn.Module()
+        root.register_buffer("w", torch.randn(8, 8))
+        gm = torch.fx.GraphModule(root, g)
+        xs = torch.randn(2, 8)
+        want = gm(xs)
+        assert gemv_rewrites(gm)["glu"] == fused
+        gm.recompile()
+        torch.testing.assert_close(gm(xs), want)

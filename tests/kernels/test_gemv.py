@@ -95,6 +95,13 @@ def test_gemv_interpreter_strided_input():
     check(gv.gemv_triton(view, w), gv.gemv_ref(x, w), torch.float32)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+def test_gemv_interpreter_strided_bias():
+    x, w, _, r = case(1, 16, 32, torch.float32, residual=True)
+    b = torch.randn(32)[::2]  # a view with stride 2
+    check(gv.gemv_triton(x, w, b, r), gv.gemv_ref(x, w, b, r), torch.float32)
+
+
 def test_custom_op_on_cpu_and_shape_errors():
     x, w, b, r = case(2, 16, 24, torch.float32, glu=True, bias=True, residual=True)
     out = torch.ops.llmaccel.gemv(x, w, b, r, eps=1e-6, glu=True)
