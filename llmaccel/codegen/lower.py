@@ -333,6 +333,8 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Linears with stored floating-point weights become llmaccel::gemv, with their neighbours
     inside: silu_mul after a gate/up GEMV, the residual add after an o / down GEMV, the weightless
     RMSNorm before a GEMV. Returns counts {gemv, glu, residual, norm}."""
+    if _gemv_op() is None:
+        load_kernel_modules()  # registers llmaccel::gemv
     op = _gemv_op()
     counts = dict.fromkeys(("gemv", "glu", "residual", "norm"), 0)
     if op is None:
@@ -460,8 +462,6 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
                 if is_linear and _norm_into_rows(new, node):
                     rep.norm_into_rows += 1
     elif linear == "gemv":
-        if _gemv_op() is None:
-            load_kernel_modules()
         rep.gemv = gemv_rewrites(new)
     elif linear != "mm":
         raise ValueError(f"linear must be 'mm', 'rows' or 'gemv', got {linear!r}")
