@@ -288,10 +288,6 @@ def _residual_into_gemv(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
             break
     else:
         return False
-    shapes = [getattr(n.meta.get("val"), "shape", None) if isinstance(n, torch.fx.Node) else None
-              for n in (g, res)]
-    if None not in shapes and shapes[0] != shapes[1]:
-        return False  # a broadcast add: the gemv's residual must have its output's shape
     if isinstance(res, torch.fx.Node):  # the gemv will read res: it must come first
         n = res.next
         while n is not g and n.op != "output":
@@ -343,8 +339,8 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is ops.linear:
             w = node.args[1]
-            if isinstance(w, torch.fx.Node) and w.op == "get_attr" and \
-                    weight_of(gm, w).dim() == 2 and weight_of(gm, w).is_floating_point():
+            w = weight_of(gm, w) if isinstance(w, torch.fx.Node) and w.op == "get_attr" else None
+            if w is not None and w.dim() == 2 and w.is_floating_point():
                 _retarget(node, op.default)
                 counts["gemv"] += 1
     for node in list(graph.nodes):

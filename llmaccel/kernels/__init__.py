@@ -11,6 +11,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim has unit stride (views of a wider buffer are read in place,
+    with their row strides), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def registered(name: str) -> bool:
     """Whether torch.ops.llmaccel.<name> exists: a kernel module imported afresh (tests import
     them again under the Triton interpreter) must not register its custom ops twice."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmaccel.kernels import cdiv, pdl_enabled, registered
+from llmaccel.kernels import cdiv, pdl_enabled, registered, unit_stride
 
 try:
     import triton
@@ -164,23 +164,16 @@ def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, *, eps: float | None = None, glu: bool = False,
-                block_n: int | None = None, num_warps: int | None = None, elems: int | None = None,
+                num_warps: int | None = None, elems: int | None = None,
                 pdl: bool | None = None) -> torch.Tensor:
     n_out = _check(x, weight, bias, residual, glu)
     K = weight.shape[1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    x2, w = unit_stride(x.reshape(-1, K)), unit_stride(weight)
     M = x2.shape[0]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
-    if bias is not None and bias.stride(0) != 1:
-        bias = bias.contiguous()
-    r = residual.reshape(M, n_out) if residual is not None else None
-    if r is not None and r.stride(-1) != 1:
-        r = r.contiguous()
+    bias = unit_stride(bias) if bias is not None else None
+    r = unit_stride(residual.reshape(M, n_out)) if residual is not None else None
     bn, bk, num_warps = gemv_config(n_out, K, glu, elems, num_warps)
-    bn = block_n or bn
     if pdl is None:
         pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from llmaccel.kernels import cdiv, pdl_enabled, registered
+from llmaccel.kernels import cdiv, pdl_enabled, registered, unit_stride
 from llmaccel.ops.attention import attend_heads
 
 try:
@@ -105,10 +105,10 @@ if triton is not None:
         # The first block of cached keys and values is loaded before waiting for the kernel
         # before (PDL): only q and the new k, v come from it, so these loads overlap its tail.
         offs_n = start + tl.arange(0, BLOCK_N)
-        offs_dd = tl.arange(0, BLOCK_D)
+        offs_d = tl.arange(0, BLOCK_D)
         n_ok = offs_n < stop
-        kv_mask = n_ok[:, None] & (offs_dd < D)[None, :]
-        ptr = cache + offs_n[:, None].to(tl.int64) * sc_s + offs_dd[None, :]
+        kv_mask = n_ok[:, None] & (offs_d < D)[None, :]
+        ptr = cache + offs_n[:, None].to(tl.int64) * sc_s + offs_d[None, :]
         k_first = tl.load(KC + ptr, mask=kv_mask, other=0.0)
         v_first = tl.load(VC + ptr, mask=kv_mask, other=0.0)
         if PDL:  # launched early behind the GEMV that makes q, k, v: wait for it
@@ -172,12 +172,6 @@ def static_splits(batch: int, n_kv: int, max_len: int, num_sms: int = 132) -> in
     return max(1, min(want, cdiv(max_len, 64), 64))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x with unit stride along head_dim: views of a fused qkv output (B, heads, D) are read
-    in place (no copy launch); anything else is made contiguous."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None,
                          num_splits: int | None = None, block_n: int | None = None,
                          num_warps: int = 4) -> torch.Tensor:
@@ -195,7 +189,7 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None,
                  or cos.shape[0] < S or not (cos.is_contiguous() and sin.is_contiguous())):
         raise ValueError(f"static decode attention: rope tables {tuple(cos.shape)} do not cover "
                          f"{S} positions of head_dim {D}")
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # fused-qkv views read in place
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
