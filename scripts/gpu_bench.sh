@@ -82,6 +82,10 @@ for v in $VARIANTS; do
   case $v in
     int4) run "llmc_llama-1b-int4_bs1" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
             --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn ;;
+    int4head) run "llmc_llama-1b-int4head_bs1" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
+            --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn --set quant.lm_head=true ;;
+    int4mm) run "llmc_llama-1b-int4_bs1_mm" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
+            --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn --linear mm ;;
     mm) run "llmc_llama-1b_bs1_mm" 150 $PY -m llmaccel.bench $L1 --linear mm ;;
     rows) run "llmc_llama-1b_bs1_rows" 150 $PY -m llmaccel.bench $L1 --linear rows ;;
     nocustom) run "llmc_llama-1b_bs1_nocustom" 150 $PY -m llmaccel.bench $L1 --lower none ;;
@@ -96,7 +100,7 @@ for v in $VARIANTS; do
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear rows ;;
     grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
-    *) echo "unknown variant $v (known: int4 mm rows gemv gemvnopdl gemv7b gemvsmol smolrows nocustom tune grouped)" ;;
+    *) echo "unknown variant $v (known: int4 int4head int4mm mm rows gemv gemvnopdl gemv7b gemvsmol smolrows nocustom tune grouped)" ;;
   esac
 done
 
@@ -124,7 +128,7 @@ for (shape, b), goal in goals.items():
           f"{fmt(ours.get('kernels_per_step'), 1):>10}{fmt(ours.get('gpu_ms_per_step'), 3):>8}"
           f"{fmt(ours.get('step_ms'), 3):>8}"
           f"{fmt(ours.get('prefill_tok_s') and b * ours['prompt'] / ours['prefill_tok_s'] * 1e3, 2):>11}")
-for label in ("llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_gemv",
+for label in ("llmc_llama-1b-int4head_bs1", "llmc_llama-1b-int4_bs1_mm", "llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_gemv",
               "llmc_llama-1b_bs1_gemvnopdl", "llmc_llama2-7b_bs1_gemv", "llmc_smollm2-135m_bs1_gemv", "llmc_smollm2-135m_bs1_rows",
               "llmc_llama-1b_bs1_nocustom",
               "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):

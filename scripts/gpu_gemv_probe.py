@@ -10,6 +10,11 @@ reading the one before, as in a decode step without its attention.
 
     PYTHONPATH=$PWD python scripts/gpu_gemv_probe.py --out $OUT/gemv_probe.json
     PYTHONPATH=$PWD python scripts/gpu_gemv_probe.py --out $OUT/chains.json --shapes '' --chains smol,1b,7b --sweep
+    PYTHONPATH=$PWD python scripts/gpu_gemv_probe.py --out $OUT/int4.json --shapes '' --chains '' --int4 1b --sweep
+
+--int4: the same chains with W4 g128 weights (llmaccel::gemv_int4 at several words per program
+and warps, and linear_int4's kernels with the norms, SiLU-mul and adds apart), and the int4 LM
+head (128256 x 2048) alone: gemv_int4 against linear_int4.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from llmaccel.kernels.gemv import gemv_triton
+from llmaccel.kernels.gemv import gemv_int4_triton, gemv_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_quant_bench import time_graph  # noqa: E402
@@ -128,12 +133,106 @@ def chain(bw, model="1b", tiles=((None, None),), cublas=True):
     return out
 
 
+def int4_weights(n, k, gs=128):
+    from llmaccel.ops.quant import pack_int4, pack_zeros
+
+    G = -(-k // gs)
+    q = torch.randint(0, 16, (n, G, gs), device="cuda")
+    z = torch.randint(0, 16, (n, G), device="cuda")
+    s = (torch.rand(n, G, device="cuda") + 0.5) * (2.0 / (15 * k ** 0.5))
+    return pack_int4(q), s.bfloat16(), pack_zeros(z)
+
+
+def int4_bytes(w):
+    return sum(t.numel() * t.element_size() for t in w)
+
+
+def chain_int4(bw, model="1b", tiles=((None, None),), gs=128):
+    """chain() with W4 weights: gemv_int4 (PDL) per (words, warps), without PDL, and the
+    quantization issue's linear_int4 with the RMSNorm / SiLU-mul / residual adds as torch ops."""
+    from llmaccel import ops
+    from llmaccel.kernels.quant_linear import linear_int4_triton
+
+    H, QKV, I, L = MODELS[model]
+    torch.manual_seed(0)
+    layers = [[int4_weights(n, k, gs) for n, k in ((QKV, H), (H, H), (2 * I, H), (H, I))] for _ in range(L)]
+    nbytes = sum(int4_bytes(w) for ly in layers for w in ly)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    out = {"MB": nbytes / 1e6}
+
+    def fused(pdl, words, warps):
+        kw = dict(pdl=pdl, num_warps=warps, group_size=gs, **({"words": words} if words else {}))
+
+        def step():
+            h = x
+            for wq, wo, wgu, wd in layers:
+                a = gemv_int4_triton(h, *wq, eps=1e-5, **kw)[:, :H]
+                h = gemv_int4_triton(a, *wo, residual=h, **kw)
+                m = gemv_int4_triton(h, *wgu, eps=1e-5, glu=True, **kw)
+                h = gemv_int4_triton(m, *wd, residual=h, **kw)
+            return h
+        return step
+
+    def unfused():
+        h = x
+        for wq, wo, wgu, wd in layers:
+            a = linear_int4_triton(ops.rms_norm(h, None, eps=1e-5), *wq, group_size=gs)[:, :H]
+            h = h + linear_int4_triton(a, *wo, group_size=gs)
+            m = linear_int4_triton(ops.rms_norm(h, None, eps=1e-5), *wgu, group_size=gs)
+            h = h + linear_int4_triton(ops.silu_mul(*m.chunk(2, -1)), *wd, group_size=gs)
+        return h
+
+    runs = [(f"pdl_w{e}w{w}", fused(True, e, w)) for e, w in tiles] + [("nopdl", fused(False, None, None)),
+                                                                        ("linear_int4_unfused", unfused)]
+    for label, fn in runs:
+        try:
+            s = time_graph(lambda i, fn=fn: fn, 1)
+        except Exception as e:
+            out[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"chain int4 {model} {label}: {out[label]['error']}", flush=True)
+            continue
+        out[label] = {"us": round(s * 1e6, 1), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
+        print(f"chain int4 {model} {label:<20} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})",
+              flush=True)
+    del layers
+    torch.cuda.empty_cache()
+    return out
+
+
+def head_int4(bw, tiles, gs=128, n=128256, k=2048):
+    """The int4 LM head alone (CUDA graph cycling over copies): gemv_int4 per tiling (norm
+    inside) and linear_int4."""
+    from llmaccel.kernels.quant_linear import linear_int4_triton
+
+    w0 = int4_weights(n, k, gs)
+    nbytes = int4_bytes(w0)
+    copies = max(2, -(-(400 << 20) // nbytes))
+    ws = [w0] + [int4_weights(n, k, gs) for _ in range(copies - 1)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    out = {"MB": nbytes / 1e6}
+    runs = [(f"w{e}w{w}", lambda i, e=e, w=w: (lambda: gemv_int4_triton(
+        x, *ws[i], group_size=gs, eps=1e-5, words=e, num_warps=w, pdl=False))) for e, w in tiles]
+    runs.append(("linear_int4", lambda i: (lambda: linear_int4_triton(x, *ws[i], group_size=gs))))
+    for label, make in runs:
+        try:
+            s = time_graph(make, copies)
+        except Exception as e:
+            out[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        out[label] = {"us": round(s * 1e6, 2), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
+        print(f"head int4 {label:<14} {s * 1e6:8.2f} us  ({nbytes / s / bw:.0%})", flush=True)
+    del ws
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="single GEMVs ('' for none)")
     ap.add_argument("--chains", default="1b", help="models whose layer chain runs")
     ap.add_argument("--sweep", action="store_true", help="chains at several tilings with PDL")
+    ap.add_argument("--int4", default="", help="models whose W4 layer chain runs (and the int4 LM head)")
     a = ap.parse_args()
     from llmaccel.bench.run import copy_bandwidth
 
@@ -150,6 +249,13 @@ def main():
         res["chain"][m] = chain(bw, m, [(None, None), *tiles] if a.sweep else tiles)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+    if a.int4:
+        t4 = [(w, n) for w in (512, 1024, 2048, 4096) for n in (2, 4, 8)] if a.sweep else []
+        res["int4"] = {"head": head_int4(bw, [(None, None), *t4] if a.sweep else [(None, None)])}
+        for m in filter(None, a.int4.split(",")):
+            res["int4"][m] = chain_int4(bw, m, [(None, None), *t4])
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -26,6 +26,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.compiler.families import set_weight
+from llmaccel.ops import quant as qops
 from llmaccel.ops.rope import rope_inv_freq
 from llmaccel.passes.ir import weight_of
 
@@ -246,6 +247,29 @@ def _gemv_op():
     return custom_op("llmaccel", "gemv")
 
 
+def _gemv_targets() -> dict:
+    """{fused GEMV op: position of its residual argument}."""
+    out = {}
+    for name, pos in (("gemv", 3), ("gemv_int4", 5)):
+        op = custom_op("llmaccel", name)
+        if op is not None:
+            out[op.default] = pos
+    return out
+
+
+def _int4_gemv_weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether a linear_int4 node (IR op or its custom op) reads stored weights that
+    llmaccel::gemv_int4 takes (a power-of-two group size of at least 8)."""
+    lin = custom_op("llmaccel", "linear_int4")
+    if node.op != "call_function" or not (node.target is qops.linear_int4 or
+                                          (lin is not None and node.target in (lin, lin.default))):
+        return False
+    gs = node.kwargs.get("group_size", node.args[5] if len(node.args) > 5 else 128)
+    stored = node.args[1:4]
+    return len(node.args) <= 5 and isinstance(gs, int) and gs >= 8 and not gs & (gs - 1) and \
+        all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored)
+
+
 def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -280,11 +304,13 @@ def _residual_into_gemv(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     """add_rms_norm(a, b) (weightless) where a or b is a gemv read by nothing else: the gemv adds
     the other operand (its residual), and the norm reads the gemv; whether it did."""
     a, b, weight = node.args[:3]
+    targets = _gemv_targets()
     if weight is not None or any(u.target is not operator.getitem for u in node.users):
         return False
     for g, res in ((b, a), (a, b)):
-        if isinstance(g, torch.fx.Node) and g.target is _gemv_op().default and len(g.users) == 1 \
-                and len(g.args) < 4 and "residual" not in g.kwargs and not g.kwargs.get("glu"):
+        if isinstance(g, torch.fx.Node) and g.target in targets and len(g.users) == 1 \
+                and len(g.args) <= targets[g.target] and "residual" not in g.kwargs \
+                and not g.kwargs.get("glu"):
             break
     else:
         return False
@@ -314,8 +340,8 @@ def _norm_into_gemv(graph: torch.fx.Graph, norm: torch.fx.Node) -> bool:
     itself (eps) from the norm's input; whether they did."""
     if norm.args[1] is not None or not norm.users:
         return False
-    op = _gemv_op().default
-    if not all(u.target is op and u.args[0] is norm and norm not in u.args[1:]
+    targets = _gemv_targets()
+    if not all(u.target in targets and u.args[0] is norm and norm not in u.args[1:]
                and norm not in u.kwargs.values() and "eps" not in u.kwargs for u in norm.users):
         return False
     for u in list(norm.users):
@@ -326,15 +352,17 @@ def _norm_into_gemv(graph: torch.fx.Graph, norm: torch.fx.Node) -> bool:
 
 
 def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Linears with stored floating-point weights become llmaccel::gemv, with their neighbours
-    inside: silu_mul after a gate/up GEMV, the residual add after an o / down GEMV, the weightless
-    RMSNorm before a GEMV. Returns counts {gemv, glu, residual, norm}."""
+    """Linears with stored floating-point weights become llmaccel::gemv, and linear_int4 with
+    stored weights llmaccel::gemv_int4, with their neighbours inside: silu_mul after a gate/up
+    GEMV, the residual add after an o / down GEMV, the weightless RMSNorm before a GEMV.
+    Returns counts {gemv (all GEMVs), int4 (of which gemv_int4), glu, residual, norm}."""
     if _gemv_op() is None:
-        load_kernel_modules()  # registers llmaccel::gemv
-    op = _gemv_op()
-    counts = dict.fromkeys(("gemv", "glu", "residual", "norm"), 0)
-    if op is None:
+        load_kernel_modules()  # registers llmaccel::gemv and gemv_int4
+    counts = dict.fromkeys(("gemv", "int4", "glu", "residual", "norm"), 0)
+    targets = _gemv_targets()
+    if not targets:
         return counts
+    op, op4 = _gemv_op(), custom_op("llmaccel", "gemv_int4")
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is ops.linear:
@@ -343,8 +371,15 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
             if w is not None and w.dim() == 2 and w.is_floating_point():
                 _retarget(node, op.default)
                 counts["gemv"] += 1
+        elif op4 is not None and _int4_gemv_weights(gm, node):
+            gs = node.kwargs.get("group_size", node.args[5] if len(node.args) > 5 else 128)
+            node.args = node.args[:5]
+            node.kwargs = {"group_size": gs}
+            _retarget(node, op4.default)
+            counts["gemv"] += 1
+            counts["int4"] += 1
     for node in list(graph.nodes):
-        if node.target is op.default and _glu_into_gemv(graph, node):
+        if node.target in targets and _glu_into_gemv(graph, node):
             counts["glu"] += 1
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is ops.add_rms_norm and _residual_into_gemv(graph, node):
@@ -435,7 +470,10 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             continue
         if name in _NOT_BY_NAME or not _wanted(name, select):
             continue
-        form = cpu_forms().get(name) if device.type == "cpu" else None
+        # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
+        # they are (their CPU implementation is the reference)
+        form = cpu_forms().get(name) if device.type == "cpu" and not (
+            linear == "gemv" and name == "linear_int4") else None
         if form is not None and _to_cpu_form(new, node, form, rep, prepared):
             rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
             continue

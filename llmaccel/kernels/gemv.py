@@ -18,7 +18,15 @@ dependent launch, sm90+): weights do not depend on it, so their reads overlap th
 kernel before, and the launch gap between them. The programs also let the next kernel launch
 early (`gdc_launch_dependents`), so chains of these kernels stream the weights back to back.
 Without PDL (older GPUs, the interpreter) the same kernel runs with the two calls compiled out.
-CPU implementation: the reference.
+
+  llmaccel::gemv_int4(x, qweight, scales, zeros, bias=None, residual=None, *, group_size,
+                      eps=None, glu=False)
+      the same op with linear_int4's weights (MatMulNBits layout, ops/quant.py): codes are read
+      as int32 words (8 per word) with their groups' scales and zero points before the wait,
+      dequantized in registers (q - z exactly, by the magic-number FMA of quant_linear.py) and
+      scaled once per (row, group): y = sum_g s_g * sum_k (q_k - z_g) x_k.
+
+CPU implementation: the references.
 """
 from __future__ import annotations
 
@@ -26,12 +34,16 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.kernels import cdiv, pdl_enabled, registered, unit_stride
+from llmaccel.ops.quant import dequantize_int4
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the reference works without triton
     triton = None
+
+if triton is not None:
+    from llmaccel.kernels.quant_linear import _int4_words
 
 # Weights per program (both tiles with glu) and warps: the best for chains of PDL-launched
 # GEMVs (each reading the one before, as in a decode step) among 2-16K weights x 2/4/8 warps on
@@ -43,6 +55,10 @@ ELEMS_LARGE, WARPS_LARGE = 8192, 8
 # Above this K a program would hold too large a tile in registers: the op stays correct but
 # loops over K in chunks of this size (no prefetch before the wait).
 MAX_BLOCK_K = 16384
+# int4: int32 words (8 codes each) per program and warps; above MAX_WORDS_ROW words per row
+# (K = 32768) the program loops over groups (no prefetch before the wait).
+WORDS, WORDS_WARPS = 1024, 4
+MAX_WORDS_ROW = 4096
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -63,18 +79,47 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return y.to(x.dtype)
 
 
+def gemv_int4_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, *,
+                  group_size: int, eps: float | None = None, glu: bool = False) -> torch.Tensor:
+    """gemv_ref on the dequantized weight (fp32: (q - z) * s is exact there), its first K
+    columns (a zero-padded last group, as linear_int4)."""
+    w = dequantize_int4(qweight, scales, zeros, group_size, torch.float32)[:, : x.shape[-1]]
+    return gemv_ref(x, w, bias, residual, eps=eps, glu=glu)
+
+
+def _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu) -> int:
+    """Output width; raises ValueError on shapes the op does not take."""
+    if qweight.dim() != 3:
+        raise ValueError(f"gemv_int4: qweight must be (N, groups, group_size / 2), got {tuple(qweight.shape)}")
+    N, G, half = qweight.shape
+    if 2 * half != group_size or group_size < 8 or group_size & (group_size - 1):
+        raise ValueError(f"gemv_int4: group_size {group_size} (a power of two >= 8) and qweight "
+                         f"{tuple(qweight.shape)} disagree")
+    if not (G - 1) * group_size < x.shape[-1] <= G * group_size:
+        raise ValueError(f"gemv_int4: x {tuple(x.shape)} and {G} groups of {group_size} disagree")
+    if scales.shape != (N, G) or zeros.dim() != 2 or zeros.shape[0] != N or 2 * zeros.shape[1] < G:
+        raise ValueError(f"gemv_int4: scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
+                         f"for qweight {tuple(qweight.shape)}")
+    return _out_width("gemv_int4", x, N, bias, residual, glu)
+
+
 def _check(x, weight, bias, residual, glu) -> int:
     """Output width; raises ValueError on shapes the op does not take."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree")
-    n = weight.shape[0]
+    return _out_width("gemv", x, weight.shape[0], bias, residual, glu)
+
+
+def _out_width(op, x, n, bias, residual, glu) -> int:
+    """Output width of n weight rows; raises ValueError on bias / residual / glu shapes."""
     if glu and n % 2:
-        raise ValueError(f"gemv: glu needs an even number of weight rows, got {n}")
+        raise ValueError(f"{op}: glu needs an even number of weight rows, got {n}")
     if bias is not None and bias.shape != (n,):
-        raise ValueError(f"gemv: bias {tuple(bias.shape)} for {n} weight rows")
+        raise ValueError(f"{op}: bias {tuple(bias.shape)} for {n} weight rows")
     n_out = n // 2 if glu else n
     if residual is not None and residual.shape != (*x.shape[:-1], n_out):
-        raise ValueError(f"gemv: residual {tuple(residual.shape)}, output {(*x.shape[:-1], n_out)}")
+        raise ValueError(f"{op}: residual {tuple(residual.shape)}, output {(*x.shape[:-1], n_out)}")
     return n_out
 
 
@@ -150,6 +195,107 @@ if triton is not None:
         tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
 
 
+    @triton.jit
+    def _int4_tile(W, S, Z, rows, n_ok, g, g_ok, G, ZB, GS: tl.constexpr):
+        """Words (rows, groups, GS / 8), scales and zero points (rows, groups) of a tile."""
+        rw = tl.arange(0, GS // 8)
+        r64 = rows.to(tl.int64)
+        nm = n_ok[:, None] & g_ok[None, :]
+        w = tl.load(W + r64[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
+                    + rw[None, None, :], mask=nm[:, :, None], other=0)
+        s = tl.load(S + r64[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
+        zb = tl.load(Z + r64[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
+        z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+        return w, s, z
+
+    @triton.jit
+    def _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7):
+        """sum over the tile's groups of s * sum (q - z) x, per row; x_i holds the columns of
+        nibble i (column 8j + i of word j), (groups, GS / 8)."""
+        n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, z[:, :, None])
+        t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
+            + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
+        return tl.sum(tl.sum(s[:, :, None] * t, 2), 1)
+
+    @triton.jit
+    def _x8(xrow, g, g_ok, K, GS: tl.constexpr):
+        """x's columns of a tile's groups split by nibble (see _int4_dot), fp32, zero past K."""
+        xk = g[:, None] * GS + 8 * tl.arange(0, GS // 8)[None, :]
+        xm = g_ok[:, None]
+        x0 = tl.load(xrow + xk, mask=xm & (xk < K), other=0.0).to(tl.float32)
+        x1 = tl.load(xrow + xk + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
+        x2 = tl.load(xrow + xk + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
+        x3 = tl.load(xrow + xk + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
+        x4 = tl.load(xrow + xk + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
+        x5 = tl.load(xrow + xk + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
+        x6 = tl.load(xrow + xk + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
+        x7 = tl.load(xrow + xk + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7):
+        return tl.sum(tl.sum(((x0 * x0 + x1 * x1) + (x2 * x2 + x3 * x3))
+                             + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7)), 1), 0)
+
+    @triton.jit
+    def _gemv_int4_kernel(X, W, S, Z, BIAS, R, O, N_OUT, K, G, ZB, s_x, s_r, s_o, eps,
+                          GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                          NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_G: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        m = tl.program_id(1)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N_OUT
+        rg = tl.arange(0, BLOCK_G)
+        xrow = X + m.to(tl.int64) * s_x
+        if ONE_CHUNK:
+            g_ok = rg < G
+            w, s, z = _int4_tile(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, GS)
+            if GLU:
+                wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, rg, g_ok, G, ZB, GS)
+            if PDL:
+                _tl_cuda.gdc_launch_dependents()
+                _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, rg, g_ok, K, GS)
+            y = _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
+            if GLU:
+                u = _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
+            if NORM:
+                ss = _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7)
+        else:
+            if PDL:
+                _tl_cuda.gdc_launch_dependents()
+                _tl_cuda.gdc_wait()
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            u = tl.zeros([BLOCK_N], dtype=tl.float32)
+            ss = 0.0
+            for g0 in range(0, G, BLOCK_G):
+                g = g0 + rg
+                g_ok = g < G
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g_ok, K, GS)
+                w, s, z = _int4_tile(W, S, Z, rn, n_ok, g, g_ok, G, ZB, GS)
+                y += _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
+                if GLU:
+                    wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, g, g_ok, G, ZB, GS)
+                    u += _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
+                if NORM:
+                    ss += _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7)
+        if NORM:
+            r = tl.rsqrt(ss / K + eps)
+            y = y * r
+            if GLU:
+                u = u * r
+        if HAS_BIAS:
+            y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if GLU:
+                u += tl.load(BIAS + N_OUT + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if GLU:
+            y = y / (1.0 + tl.exp(-y)) * u
+        if HAS_RES:
+            y += tl.load(R + m.to(tl.int64) * s_r + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
+
+
 def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
                 warps: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps): the whole K in one tile up to MAX_BLOCK_K, about `elems`
@@ -186,6 +332,47 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.reshape(*x.shape[:-1], n_out)
 
 
+def gemv_int4_config(n_out: int, groups: int, group_size: int, glu: bool, words: int | None = None,
+                     warps: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_G, warps): all groups in one tile up to MAX_WORDS_ROW words per row,
+    about `words` int32 words per program (gate and up tiles together with glu), >= 1 row."""
+    wpg = group_size // 8
+    block_g = min(triton.next_power_of_2(groups), max(1, MAX_WORDS_ROW // wpg))
+    tiles = 2 if glu else 1
+    block_n = max(1, min((words or WORDS) // (tiles * block_g * wpg), triton.next_power_of_2(n_out)))
+    return block_n, block_g, warps or WORDS_WARPS
+
+
+def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None, *, group_size: int,
+                     eps: float | None = None, glu: bool = False, num_warps: int | None = None,
+                     words: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+    n_out = _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu)
+    N, G, _ = qweight.shape
+    K = x.shape[-1]
+    x2 = unit_stride(x.reshape(-1, K))
+    M = x2.shape[0]
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    bias = unit_stride(bias) if bias is not None else None
+    r = unit_stride(residual.reshape(M, n_out)) if residual is not None else None
+    w = qweight.reshape(N, -1)
+    if not w.is_contiguous() or w.data_ptr() % 16:
+        w = w.clone(memory_format=torch.contiguous_format)
+    bn, bg, num_warps = gemv_int4_config(n_out, G, group_size, glu, words, num_warps)
+    if pdl is None:
+        pdl = pdl_enabled(x)
+    extra = {"launch_pdl": True} if pdl else {}
+    _gemv_int4_kernel[(cdiv(n_out, bn), M)](
+        x2, w.view(torch.int32), scales.contiguous(), zeros.contiguous(),
+        bias if bias is not None else out, r if r is not None else out, out, n_out, K, G,
+        zeros.shape[1], x2.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
+        float(eps) if eps is not None else 0.0, GS=group_size,
+        HAS_BIAS=bias is not None, HAS_RES=r is not None, NORM=eps is not None, GLU=glu,
+        BLOCK_N=bn, BLOCK_G=bg, ONE_CHUNK=G <= bg, PDL=pdl, num_warps=num_warps, **extra)
+    return out.reshape(*x.shape[:-1], n_out)
+
+
 if not registered("gemv"):
     @torch.library.custom_op("llmaccel::gemv", mutates_args=())
     def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -204,3 +391,25 @@ if not registered("gemv"):
         @gemv.register_kernel("cuda")
         def _(x, weight, bias=None, residual=None, *, eps=None, glu=False):
             return gemv_triton(x, weight, bias, residual, eps=eps, glu=glu)
+
+
+if not registered("gemv_int4"):
+    @torch.library.custom_op("llmaccel::gemv_int4", mutates_args=())
+    def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, *,
+                  group_size: int, eps: float | None = None, glu: bool = False) -> torch.Tensor:
+        """gemv with linear_int4's weights; see the module."""
+        _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu)
+        return gemv_int4_ref(x, qweight, scales, zeros, bias, residual, group_size=group_size,
+                             eps=eps, glu=glu)
+
+    @gemv_int4.register_fake
+    def _(x, qweight, scales, zeros, bias=None, residual=None, *, group_size, eps=None, glu=False):
+        n_out = _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu)
+        return x.new_empty((*x.shape[:-1], n_out))
+
+    if triton is not None:
+        @gemv_int4.register_kernel("cuda")
+        def _(x, qweight, scales, zeros, bias=None, residual=None, *, group_size, eps=None, glu=False):
+            return gemv_int4_triton(x, qweight, scales, zeros, bias, residual, group_size=group_size,
+                                    eps=eps, glu=glu)

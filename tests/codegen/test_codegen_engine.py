@@ -135,22 +135,53 @@ def test_gemv_lowering_fuses_the_neighbours(passes):
     L = m.config.n_layers
     low, rep = lower(m.gm, max_len=64, select="none", linear="gemv")
     if passes:
-        assert rep.gemv == {"gemv": 4 * L, "glu": L, "residual": 2 * L, "norm": 2 * L}
+        assert rep.gemv == {"gemv": 4 * L, "int4": 0, "glu": L, "residual": 2 * L, "norm": 2 * L}
         names = [getattr(n.target, "__name__", str(n.target)) for n in low.graph.nodes if n.op == "call_function"]
         assert not {"silu_mul", "add_rms_norm"} & set(names) and names.count("rms_norm") == 1  # before the LM head
     else:
-        assert rep.gemv == {"gemv": 7 * L, "glu": 0, "residual": 0, "norm": 0}
+        assert rep.gemv == {"gemv": 7 * L, "int4": 0, "glu": 0, "residual": 0, "norm": 0}
     ids = torch.randint(0, 512, (2, 20))
     pos = torch.arange(20)[None].expand(2, -1)
     _close(low(ids, pos, None), m.gm(ids, pos, None))
 
+
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_gemv_lowering_of_int4_linears(lm_head):
+    """W4 (fuse, then quant): every linear_int4 a llmaccel::gemv_int4 with the same neighbours
+    inside as the bf16 GEMVs; an int4 LM head takes the final RMSNorm too (its scale folded
+    into the head's own copy), so the graph is embedding, GEMVs, RoPE and attention. Same
+    logits in fp32 (the op's CPU form is its reference)."""
+    m = compile("preset:tiny-llama", ["fuse", "quant"],
+                {"quant": {"method": "rtn", "bits": 4, "group_size": 32, "lm_head": lm_head}},
+                progress=False, eval_tokens=0)
+    L = m.config.n_layers
+    low, rep = lower(m.gm, max_len=64, linear="gemv")
+    n = 4 * L + lm_head
+    assert rep.gemv == {"gemv": n, "int4": n, "glu": L, "residual": 2 * L, "norm": 2 * L + lm_head}
+    names = {getattr(n.target, "__name__", str(n.target)) for n in low.graph.nodes if n.op == "call_function"}
+    assert not {"linear_int4", "linear_int4_cpu", "silu_mul", "add_rms_norm"} & names
+    assert ("rms_norm" in names) != lm_head
+    ids = torch.randint(0, 512, (2, 20))
+    pos = torch.arange(20)[None].expand(2, -1)
+    _close(low(ids, pos, None), m.gm(ids, pos, None))
+
+
+def test_gemv_int4_engine_matches_reference_compiled():
+    torch._dynamo.reset()
+    ids = torch.randint(0, 512, (2, 9))
+    m = compile("preset:tiny-llama", ["fuse", "quant"],
+                {"quant": {"method": "rtn", "bits": 4, "group_size": 32, "lm_head": True}},
+                progress=False, eval_tokens=0)
+    eng = DecodeEngine(m, 2, 16, compile=True, backend="aot_eager", linear="gemv", attn="fused")
+    assert eng.decode_report.gemv["int4"] == 4 * m.config.n_layers + 1
+    _close(_stepwise(eng, ids, 5), m.logits(ids))
 
 def test_gemv_lowering_of_a_gpt2_graph():
     """GPT-2 (LayerNorm, GELU MLP, biases): the linears become GEMVs with their biases, nothing
     else moves inside them."""
     m = compile("preset:tiny-gpt2", ["fuse"], progress=False)
     low, rep = lower(m.gm, max_len=64, select="none", linear="gemv")
-    assert rep.gemv == {"gemv": 4 * m.config.n_layers, "glu": 0, "residual": 0, "norm": 0}
+    assert rep.gemv == {"gemv": 4 * m.config.n_layers, "int4": 0, "glu": 0, "residual": 0, "norm": 0}
     ids = torch.randint(0, 512, (2, 20))
     pos = torch.arange(20)[None].expand(2, -1)
     _close(low(ids, pos, None), m.gm(ids, pos, None))

@@ -6,6 +6,8 @@ several rows. Tolerance: fp32 1e-4 relative to the largest |output| (summation o
 1,000); fp16 / bf16 one rounding of the output plus the order of an fp32 sum: 1e-2.
 GPU: real shapes of llama-1b, SmolLM2 and llama2-7b in bf16, with programmatic dependent launch
 inside a CUDA graph (a chain of GEMVs where each reads the previous one's output).
+gemv_int4 likewise, against its reference on the dequantized fp32 weight (the same codes, scales
+and zero points), with group sizes 16-128, a zero-padded last group and the looped-groups path.
 """
 import os
 
@@ -18,6 +20,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from llmaccel import ops  # noqa: E402
+from llmaccel.ops import quant as qops  # noqa: E402
 
 gv = pytest.importorskip("llmaccel.kernels.gemv")
 INTERPRETED = gv.triton is not None and type(gv._gemv_kernel).__name__ == "InterpretedFunction"
@@ -176,6 +179,151 @@ def test_gemv_chain_in_a_cuda_graph():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         chain(x, op)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(x, op)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 1, H, generator=torch.Generator().manual_seed(seed)).cuda().bfloat16())
+        g.replay()
+        torch.cuda.synchronize()
+        want = chain(x, ref)
+        err = (out.float() - want.float()).abs().max().item()
+        assert err <= 3e-2 * want.float().abs().max().item(), err
+
+
+# --- gemv_int4 -------------------------------------------------------------------------------
+
+def case_int4(M, N, K, gs, dtype, *, glu=False, bias=False, residual=False, device="cpu", seed=0):
+    """x and linear_int4's stored weights (random codes, zero points and positive scales)."""
+    g = torch.Generator().manual_seed(seed + M * 7 + N * 13 + K + gs)
+    G = -(-K // gs)
+    q = torch.randint(0, 16, (N, G, gs), generator=g)
+    z = torch.randint(0, 16, (N, G), generator=g)
+    s = (torch.rand(N, G, generator=g) + 0.5) * (2.0 / (15 * K ** 0.5))
+    x = torch.randn(M, 1, K, generator=g).to(device, dtype)
+    b = (0.1 * torch.randn(N, generator=g)).to(device, dtype) if bias else None
+    r = torch.randn(M, 1, N // 2 if glu else N, generator=g).to(device, dtype) if residual else None
+    w = (qops.pack_int4(q).to(device), s.to(device, dtype), qops.pack_zeros(z).to(device))
+    return x, w, b, r
+
+
+def unfused_int4(x, w, gs, b, r, eps, glu):
+    """The IR ops the int4 GEMV replaces (linear_int4's reference), in fp32."""
+    x = x.float()
+    b = b.float() if b is not None else None
+    h = ops.rms_norm(x, None, eps=eps) if eps is not None else x
+    y = qops.linear_int4(h, w[0], w[1].float(), w[2], b, group_size=gs)
+    if glu:
+        y = ops.silu_mul(*y.chunk(2, dim=-1))
+    return y + r.float() if r is not None else y
+
+
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("K,gs", [(64, 32), (100, 32)])
+def test_int4_reference_matches_the_unfused_ops(eps, glu, K, gs):
+    x, w, b, r = case_int4(3, 24, K, gs, torch.float32, glu=glu, bias=True, residual=True)
+    ref = gv.gemv_int4_ref(x, *w, b, r, group_size=gs, eps=eps, glu=glu)
+    assert torch.allclose(ref, unfused_int4(x, w, gs, b, r, eps, glu), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("M,N,K,gs", [(1, 48, 64, 32), (2, 40, 100, 32), (1, 7, 256, 64), (1, 6, 48, 16)])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_int4_interpreter(M, N, K, gs, eps, glu, bias, residual, dtype):
+    if glu and N % 2:
+        N += 1
+    x, w, b, r = case_int4(M, N, K, gs, dtype, glu=glu, bias=bias, residual=residual)
+    ref = gv.gemv_int4_ref(x, *w, b, r, group_size=gs, eps=eps, glu=glu)
+    check(gv.gemv_int4_triton(x, *w, b, r, group_size=gs, eps=eps, glu=glu), ref, dtype)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("glu,eps", [(False, None), (True, 1e-5)])
+def test_gemv_int4_interpreter_looped_groups(glu, eps, monkeypatch):
+    """More words per row than MAX_WORDS_ROW: the program loops over groups, same values."""
+    monkeypatch.setattr(gv, "MAX_WORDS_ROW", 4)
+    x, w, b, r = case_int4(2, 12, 100, 32, torch.float32, glu=glu, bias=True, residual=True)
+    assert gv.gemv_int4_config(6 if glu else 12, 4, 32, glu)[1] == 1
+    check(gv.gemv_int4_triton(x, *w, b, r, group_size=32, eps=eps, glu=glu),
+          gv.gemv_int4_ref(x, *w, b, r, group_size=32, eps=eps, glu=glu), torch.float32)
+
+
+def test_int4_custom_op_on_cpu_and_shape_errors():
+    x, w, b, r = case_int4(2, 16, 60, 16, torch.float32, glu=True, bias=True, residual=True)
+    out = torch.ops.llmaccel.gemv_int4(x, *w, b, r, group_size=16, eps=1e-6, glu=True)
+    assert torch.allclose(out, gv.gemv_int4_ref(x, *w, b, r, group_size=16, eps=1e-6, glu=True))
+    with pytest.raises(ValueError, match="power of two"):
+        torch.ops.llmaccel.gemv_int4(x, *w, group_size=32)
+    with pytest.raises(ValueError, match="groups"):
+        torch.ops.llmaccel.gemv_int4(x[..., :40], *w, group_size=16)
+    with pytest.raises(ValueError, match="scales"):
+        torch.ops.llmaccel.gemv_int4(x, w[0], w[1][:, :2], w[2], group_size=16)
+    with pytest.raises(ValueError, match="residual"):
+        torch.ops.llmaccel.gemv_int4(x, *w, residual=r, group_size=16)
+
+
+def test_int4_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(1, 1, 256)
+        qw = torch.empty(96, 2, 64, dtype=torch.uint8)
+        s, z = torch.empty(96, 2), torch.empty(96, 1, dtype=torch.uint8)
+        assert torch.ops.llmaccel.gemv_int4(x, qw, s, z, group_size=128, glu=True).shape == (1, 1, 48)
+
+
+INT4_SHAPES = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
+               (128256, 2048, False), (960, 576, False), (3072, 576, True), (576, 1536, False),
+               (12288, 4096, False), (22016, 4096, True), (4096, 11008, False), (8, 40000, False)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,K,glu", INT4_SHAPES)
+@pytest.mark.parametrize("eps,bias,residual", [(None, False, False), (1e-5, False, False),
+                                               (None, True, True), (1e-5, False, True)])
+def test_gemv_int4_cuda(N, K, glu, eps, bias, residual):
+    gs = 64 if K == 576 else 128
+    x, w, b, r = case_int4(1, N, K, gs, torch.bfloat16, glu=glu, bias=bias, residual=residual,
+                           device="cuda")
+    ref = gv.gemv_int4_ref(x, *w, b, r, group_size=gs, eps=eps, glu=glu)
+    check(torch.ops.llmaccel.gemv_int4(x, *w, b, r, group_size=gs, eps=eps, glu=glu), ref,
+          torch.bfloat16)
+    check(gv.gemv_int4_triton(x, *w, b, r, group_size=gs, eps=eps, glu=glu, pdl=False), ref,
+          torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_gemv_int4_chain_in_a_cuda_graph():
+    """gemv_int4 layers (qkv-, o-, gate/up-, down-shaped), each reading the one before, in a CUDA
+    graph with PDL where the GPU has it, replayed on new inputs: the reference chain's values."""
+    H, I, gs = 1024, 2048, 128
+    layers = [[case_int4(1, n, k, gs, torch.bfloat16, device="cuda", seed=10 * i + j)[1]
+               for j, (n, k) in enumerate(((H, H), (H, H), (2 * I, H), (H, I)))] for i in range(4)]
+
+    def chain(h, fn):
+        for wq, wo, wgu, wd in layers:
+            a = fn(h, wq, eps=1e-5)
+            h = fn(a, wo, residual=h)
+            m = fn(h, wgu, eps=1e-5, glu=True)
+            h = fn(m, wd, residual=h)
+        return h
+
+    def ref(x, w, residual=None, eps=None, glu=False):
+        return gv.gemv_int4_ref(x, *w, None, residual, group_size=gs, eps=eps, glu=glu)
+
+    def op(x, w, residual=None, eps=None, glu=False):
+        return torch.ops.llmaccel.gemv_int4(x, *w, None, residual, group_size=gs, eps=eps, glu=glu)
+
+    x = torch.randn(1, 1, H, device="cuda").bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(x, op)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
