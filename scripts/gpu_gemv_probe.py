@@ -160,8 +160,10 @@ def chain_int4(bw, model="1b", tiles=((None, None),), gs=128):
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = {"MB": nbytes / 1e6}
 
-    def fused(pdl, words, warps):
+    def fused(pdl, words, warps, pps=None):
         kw = dict(pdl=pdl, num_warps=warps, group_size=gs, **({"words": words} if words else {}))
+        if pps:
+            kw["programs"] = pps * n_sm
 
         def step():
             h = x
@@ -182,8 +184,9 @@ def chain_int4(bw, model="1b", tiles=((None, None),), gs=128):
             h = h + linear_int4_triton(ops.silu_mul(*m.chunk(2, -1)), *wd, group_size=gs)
         return h
 
-    runs = [(f"pdl_w{e}w{w}", fused(True, e, w)) for e, w in tiles] + [("nopdl", fused(False, None, None)),
-                                                                        ("linear_int4_unfused", unfused)]
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [(f"pdl_w{e}w{w}p{p}", fused(True, e, w, p)) for e, w, p in tiles] + \
+        [("nopdl", fused(False, None, None)), ("linear_int4_unfused", unfused)]
     for label, fn in runs:
         try:
             s = time_graph(lambda i, fn=fn: fn, 1)
@@ -210,8 +213,10 @@ def head_int4(bw, tiles, gs=128, n=128256, k=2048):
     ws = [w0] + [int4_weights(n, k, gs) for _ in range(copies - 1)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     out = {"MB": nbytes / 1e6}
-    runs = [(f"w{e}w{w}", lambda i, e=e, w=w: (lambda: gemv_int4_triton(
-        x, *ws[i], group_size=gs, eps=1e-5, words=e, num_warps=w, pdl=False))) for e, w in tiles]
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    runs = [(f"w{e}w{w}p{p}", lambda i, e=e, w=w, p=p: (lambda: gemv_int4_triton(
+        x, *ws[i], group_size=gs, eps=1e-5, words=e, num_warps=w, pdl=False,
+        programs=p and p * n_sm))) for e, w, p in tiles]
     runs.append(("linear_int4", lambda i: (lambda: linear_int4_triton(x, *ws[i], group_size=gs))))
     for label, make in runs:
         try:
@@ -250,10 +255,10 @@ def main():
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     if a.int4:
-        t4 = [(w, n) for w in (512, 1024, 2048, 4096) for n in (2, 4, 8)] if a.sweep else []
-        res["int4"] = {"head": head_int4(bw, [(None, None), *t4] if a.sweep else [(None, None)])}
+        t4 = [(w, n, p) for w in (1024, 2048, 4096) for n in (4, 8) for p in (1, 2, 4)] if a.sweep else []
+        res["int4"] = {"head": head_int4(bw, [(None, None, None), *t4])}
         for m in filter(None, a.int4.split(",")):
-            res["int4"][m] = chain_int4(bw, m, [(None, None), *t4])
+            res["int4"][m] = chain_int4(bw, m, [(None, None, None), *t4])
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
     with open(a.out, "w") as f:

@@ -23,12 +23,15 @@ Without PDL (older GPUs, the interpreter) the same kernel runs with the two call
                       eps=None, glu=False)
       the same op with linear_int4's weights (MatMulNBits layout, ops/quant.py): codes are read
       as int32 words (8 per word) with their groups' scales and zero points before the wait,
-      dequantized in registers (q - z exactly, by the magic-number FMA of quant_linear.py) and
-      scaled once per (row, group): y = sum_g s_g * sum_k (q_k - z_g) x_k.
+      dequantized in registers (q - z exactly, by a magic-number FMA as in quant_linear.py) and
+      scaled once per (row, group): y = sum_g s_g * sum_k (q_k - z_g) x_k. Its programs are
+      persistent (PROGRAMS_PER_SM): each reads x once and streams its row tiles two at a time.
 
 CPU implementation: the references.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +45,6 @@ try:
 except ImportError:  # the reference works without triton
     triton = None
 
-if triton is not None:
-    from llmaccel.kernels.quant_linear import _int4_words
-
 # Weights per program (both tiles with glu) and warps: the best for chains of PDL-launched
 # GEMVs (each reading the one before, as in a decode step) among 2-16K weights x 2/4/8 warps on
 # the H200: SmolLM2's and llama-1b's layers 4K x 4 warps, llama2-7b's (K and N >= 4096) 8K x 8
@@ -57,8 +57,10 @@ ELEMS_LARGE, WARPS_LARGE = 8192, 8
 MAX_BLOCK_K = 16384
 # int4: int32 words (8 codes each) per program and warps; above MAX_WORDS_ROW words per row
 # (K = 32768) the program loops over groups (no prefetch before the wait).
-WORDS, WORDS_WARPS = 1024, 4
+WORDS, WORDS_WARPS = 4096, 8
 MAX_WORDS_ROW = 4096
+# Persistent programs per SM of gemv_int4 (each loops over row tiles).
+PROGRAMS_PER_SM = 2
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -209,10 +211,28 @@ if triton is not None:
         return w, s, z
 
     @triton.jit
+    def _codes8(w, z):
+        """The 8 codes of each int32 word (column 8j + i in nibble i) minus z, as exact fp32:
+        the magic exponent of 2^23 is ORed in once per word for nibbles 0-4 and once for 5-7
+        (shifted down by 12), so each code costs one AND (the magic bits kept by its mask) and
+        one FMA that removes 2^23 * 16^i and z and shifts the code into place."""
+        wl = (w & 0xFFFFF) | 0x4B000000
+        wh = ((w >> 12) & 0xFFF00) | 0x4B000000
+        n0 = tl.fma((wl & 0x4B00000F).to(tl.float32, bitcast=True), 1.0, -8388608.0 - z)
+        n1 = tl.fma((wl & 0x4B0000F0).to(tl.float32, bitcast=True), 0.0625, -524288.0 - z)
+        n2 = tl.fma((wl & 0x4B000F00).to(tl.float32, bitcast=True), 0.00390625, -32768.0 - z)
+        n3 = tl.fma((wl & 0x4B00F000).to(tl.float32, bitcast=True), 0.000244140625, -2048.0 - z)
+        n4 = tl.fma((wl & 0x4B0F0000).to(tl.float32, bitcast=True), 0.0000152587890625, -128.0 - z)
+        n5 = tl.fma((wh & 0x4B000F00).to(tl.float32, bitcast=True), 0.00390625, -32768.0 - z)
+        n6 = tl.fma((wh & 0x4B00F000).to(tl.float32, bitcast=True), 0.000244140625, -2048.0 - z)
+        n7 = tl.fma((wh & 0x4B0F0000).to(tl.float32, bitcast=True), 0.0000152587890625, -128.0 - z)
+        return n0, n1, n2, n3, n4, n5, n6, n7
+
+    @triton.jit
     def _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7):
         """sum over the tile's groups of s * sum (q - z) x, per row; x_i holds the columns of
         nibble i (column 8j + i of word j), (groups, GS / 8)."""
-        n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, z[:, :, None])
+        n0, n1, n2, n3, n4, n5, n6, n7 = _codes8(w, z[:, :, None])
         t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
             + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
         return tl.sum(tl.sum(s[:, :, None] * t, 2), 1)
@@ -238,53 +258,9 @@ if triton is not None:
                              + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7)), 1), 0)
 
     @triton.jit
-    def _gemv_int4_kernel(X, W, S, Z, BIAS, R, O, N_OUT, K, G, ZB, s_x, s_r, s_o, eps,
-                          GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                          NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_G: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
-        pid = tl.program_id(0)
-        m = tl.program_id(1)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N_OUT
-        rg = tl.arange(0, BLOCK_G)
-        xrow = X + m.to(tl.int64) * s_x
-        if ONE_CHUNK:
-            g_ok = rg < G
-            w, s, z = _int4_tile(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, GS)
-            if GLU:
-                wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, rg, g_ok, G, ZB, GS)
-            if PDL:
-                _tl_cuda.gdc_launch_dependents()
-                _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, rg, g_ok, K, GS)
-            y = _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
-            if GLU:
-                u = _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
-            if NORM:
-                ss = _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7)
-        else:
-            if PDL:
-                _tl_cuda.gdc_launch_dependents()
-                _tl_cuda.gdc_wait()
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            ss = 0.0
-            for g0 in range(0, G, BLOCK_G):
-                g = g0 + rg
-                g_ok = g < G
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g_ok, K, GS)
-                w, s, z = _int4_tile(W, S, Z, rn, n_ok, g, g_ok, G, ZB, GS)
-                y += _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
-                if GLU:
-                    wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, g, g_ok, G, ZB, GS)
-                    u += _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
-                if NORM:
-                    ss += _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7)
-        if NORM:
-            r = tl.rsqrt(ss / K + eps)
-            y = y * r
-            if GLU:
-                u = u * r
+    def _int4_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS: tl.constexpr,
+                  HAS_RES: tl.constexpr, GLU: tl.constexpr):
+        """Bias, SiLU-mul and residual on a tile's row sums (norm applied), then the store."""
         if HAS_BIAS:
             y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
             if GLU:
@@ -294,6 +270,79 @@ if triton is not None:
         if HAS_RES:
             y += tl.load(R + m.to(tl.int64) * s_r + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _gemv_int4_kernel(X, W, S, Z, BIAS, R, O, N_OUT, K, G, ZB, s_x, s_r, s_o, eps,
+                          GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                          NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_G: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+        """Persistent over row tiles (tile t, t + P, ...): x is read once per program, and with
+        all groups in one chunk the next tile's words are loaded while this one's are reduced
+        (two tiles in registers); the first tile's are loaded before the wait."""
+        pid = tl.program_id(0)
+        P = tl.num_programs(0)
+        m = tl.program_id(1)
+        n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+        ar = tl.arange(0, BLOCK_N)
+        rg = tl.arange(0, BLOCK_G)
+        xrow = X + m.to(tl.int64) * s_x
+        if ONE_CHUNK:
+            g_ok = rg < G
+            rn = pid * BLOCK_N + ar
+            n_ok = rn < N_OUT
+            w, s, z = _int4_tile(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, GS)
+            wu, su, zu = w, s, z
+            if GLU:
+                wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, rg, g_ok, G, ZB, GS)
+            if PDL:
+                _tl_cuda.gdc_launch_dependents()
+                _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, rg, g_ok, K, GS)
+            r = 1.0
+            if NORM:
+                r = tl.rsqrt(_sumsq8(x0, x1, x2, x3, x4, x5, x6, x7) / K + eps)
+            for t in range(pid, n_tiles, P):
+                rn = t * BLOCK_N + ar
+                n_ok = rn < N_OUT
+                rn2 = rn + P * BLOCK_N  # the next tile of this program (masked past the end)
+                ok2 = rn2 < N_OUT
+                w2, s2, z2 = _int4_tile(W, S, Z, rn2, ok2, rg, g_ok, G, ZB, GS)
+                y = _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7) * r
+                u = y
+                if GLU:
+                    wu2, su2, zu2 = _int4_tile(W, S, Z, rn2 + N_OUT, ok2, rg, g_ok, G, ZB, GS)
+                    u = _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7) * r
+                    wu, su, zu = wu2, su2, zu2
+                _int4_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
+                w, s, z = w2, s2, z2
+        else:
+            if PDL:
+                _tl_cuda.gdc_launch_dependents()
+                _tl_cuda.gdc_wait()
+            r = 1.0
+            if NORM:
+                ss = 0.0
+                for g0 in range(0, G, BLOCK_G):
+                    g = g0 + rg
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g < G, K, GS)
+                    ss += _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7)
+                r = tl.rsqrt(ss / K + eps)
+            for t in range(pid, n_tiles, P):
+                rn = t * BLOCK_N + ar
+                n_ok = rn < N_OUT
+                y = tl.zeros([BLOCK_N], dtype=tl.float32)
+                u = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for g0 in range(0, G, BLOCK_G):
+                    g = g0 + rg
+                    g_ok = g < G
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g_ok, K, GS)
+                    w, s, z = _int4_tile(W, S, Z, rn, n_ok, g, g_ok, G, ZB, GS)
+                    y += _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
+                    if GLU:
+                        wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, g, g_ok, G, ZB, GS)
+                        u += _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
+                _int4_out(y * r, u * r, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS,
+                          HAS_RES, GLU)
 
 
 def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
@@ -332,6 +381,15 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.reshape(*x.shape[:-1], n_out)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _n_sm(device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def gemv_int4_config(n_out: int, groups: int, group_size: int, glu: bool, words: int | None = None,
                      warps: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_G, warps): all groups in one tile up to MAX_WORDS_ROW words per row,
@@ -347,7 +405,8 @@ def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      zeros: torch.Tensor, bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None, *, group_size: int,
                      eps: float | None = None, glu: bool = False, num_warps: int | None = None,
-                     words: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                     words: int | None = None, pdl: bool | None = None,
+                     programs: int | None = None) -> torch.Tensor:
     n_out = _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu)
     N, G, _ = qweight.shape
     K = x.shape[-1]
@@ -363,7 +422,10 @@ def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if pdl is None:
         pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}
-    _gemv_int4_kernel[(cdiv(n_out, bn), M)](
+    tiles = cdiv(n_out, bn)
+    if programs is None:
+        programs = PROGRAMS_PER_SM * (_n_sm(x.device) if x.is_cuda else 2)
+    _gemv_int4_kernel[(max(1, min(tiles, programs)), M)](
         x2, w.view(torch.int32), scales.contiguous(), zeros.contiguous(),
         bias if bias is not None else out, r if r is not None else out, out, n_out, K, G,
         zeros.shape[1], x2.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
