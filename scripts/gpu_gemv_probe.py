@@ -94,8 +94,12 @@ def chain(bw, model="1b", tiles=((None, None),), cublas=True):
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = {"MB": nbytes / 1e6}
 
-    def fused(pdl, elems, warps):
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def fused(pdl, elems, warps, pps=None):
         kw = dict(pdl=pdl, num_warps=warps, **({"elems": elems} if elems else {}))
+        if pps:
+            kw["programs"] = pps * n_sm
 
         def step():
             h = x
@@ -116,7 +120,8 @@ def chain(bw, model="1b", tiles=((None, None),), cublas=True):
             h = F.linear(m, wd)
         return h
 
-    runs = [(f"pdl_e{e}w{w}", fused(True, e, w)) for e, w in tiles] + [("nopdl", fused(False, None, None))]
+    runs = [(f"pdl_e{e}w{w}" + (f"p{p}" if p else ""), fused(True, e, w, p)) for e, w, *p_ in tiles
+            for p in [p_[0] if p_ else None]] + [("nopdl", fused(False, None, None))]
     if cublas:
         runs.append(("cublas_gemvs_only", cublas_step))
     for label, fn in runs:
@@ -238,6 +243,8 @@ def main():
     ap.add_argument("--chains", default="1b", help="models whose layer chain runs")
     ap.add_argument("--sweep", action="store_true", help="chains at several tilings with PDL")
     ap.add_argument("--int4", default="", help="models whose W4 layer chain runs (and the int4 LM head)")
+    ap.add_argument("--persist", action="store_true",
+                    help="bf16 chains with persistent programs (1, 2, 4, 8 per SM) at a few tilings")
     a = ap.parse_args()
     from llmaccel.bench.run import copy_bandwidth
 
@@ -249,9 +256,11 @@ def main():
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     tiles = [(e, w) for e in (2048, 4096, 8192, 16384) for w in (2, 4, 8)] if a.sweep else [(None, None)]
+    if a.persist:
+        tiles = [(None, None)] + [(e, w, p) for e in (4096, 8192) for w in (4, 8) for p in (1, 2, 4, 8)]
     res["chain"] = {}
     for m in filter(None, a.chains.split(",")):
-        res["chain"][m] = chain(bw, m, [(None, None), *tiles] if a.sweep else tiles)
+        res["chain"][m] = chain(bw, m, [(None, None), *tiles] if a.sweep and not a.persist else tiles)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     if a.int4:

@@ -132,7 +132,9 @@ if triton is not None:
     def _gemv_kernel(X, W, BIAS, R, O, N_OUT, K, s_x, s_w, s_r, s_o, eps,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
                      GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                     ONE_CHUNK: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr = False):
+        """PERSIST (whole K in one tile only): program p owns row tiles p, p + P, ..., reads x
+        once and loads its next tile while it reduces the current one."""
         pid = tl.program_id(0)
         m = tl.program_id(1)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,61 +143,84 @@ if triton is not None:
         wp = W + rn[:, None].to(tl.int64) * s_w + rk[None, :]
         up = W + (rn + N_OUT)[:, None].to(tl.int64) * s_w + rk[None, :]  # glu: the up rows
         xp = X + m.to(tl.int64) * s_x + rk
-        if ONE_CHUNK:
+        if PERSIST:
+            P = tl.num_programs(0)
             k_ok = rk < K
-            wm = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(wp, mask=wm, other=0.0)
+            w = tl.load(wp, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wu = w
             if GLU:
-                wu = tl.load(up, mask=wm, other=0.0)
-            if PDL:
-                _tl_cuda.gdc_launch_dependents()
-                _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
-            x = tl.load(xp, mask=k_ok, other=0.0).to(tl.float32)
-            y = tl.sum(w.to(tl.float32) * x[None, :], 1)
-            if GLU:
-                u = tl.sum(wu.to(tl.float32) * x[None, :], 1)
-            if NORM:
-                ss = tl.sum(x * x, 0)
-        else:
+                wu = tl.load(up, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if PDL:
                 _tl_cuda.gdc_launch_dependents()
                 _tl_cuda.gdc_wait()
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            if GLU:
-                acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            x = tl.load(xp, mask=k_ok, other=0.0).to(tl.float32)
+            r = 1.0
             if NORM:
-                acc_ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_ok = k0 + rk < K
-                wm = n_ok[:, None] & k_ok[None, :]
-                x = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(wp + k0, mask=wm, other=0.0)
-                acc += w.to(tl.float32) * x[None, :]
+                r = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+            for t in range(pid, tl.cdiv(N_OUT, BLOCK_N), P):
+                rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = rn < N_OUT
+                rn2 = rn + P * BLOCK_N
+                m2 = (rn2 < N_OUT)[:, None] & k_ok[None, :]
+                w2 = tl.load(W + rn2[:, None].to(tl.int64) * s_w + rk[None, :], mask=m2, other=0.0)
+                y = tl.sum(w.to(tl.float32) * x[None, :], 1) * r
+                u = y
                 if GLU:
-                    wu = tl.load(up + k0, mask=wm, other=0.0)
-                    acc_u += wu.to(tl.float32) * x[None, :]
+                    wu2 = tl.load(W + (rn2 + N_OUT)[:, None].to(tl.int64) * s_w + rk[None, :],
+                                  mask=m2, other=0.0)
+                    u = tl.sum(wu.to(tl.float32) * x[None, :], 1) * r
+                    wu = wu2
+                _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
+                w = w2
+        else:
+            if ONE_CHUNK:
+                k_ok = rk < K
+                wm = n_ok[:, None] & k_ok[None, :]
+                w = tl.load(wp, mask=wm, other=0.0)
+                if GLU:
+                    wu = tl.load(up, mask=wm, other=0.0)
+                if PDL:
+                    _tl_cuda.gdc_launch_dependents()
+                    _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
+                x = tl.load(xp, mask=k_ok, other=0.0).to(tl.float32)
+                y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+                if GLU:
+                    u = tl.sum(wu.to(tl.float32) * x[None, :], 1)
                 if NORM:
-                    acc_ss += x * x
-            y = tl.sum(acc, 1)
-            if GLU:
-                u = tl.sum(acc_u, 1)
+                    ss = tl.sum(x * x, 0)
+            else:
+                if PDL:
+                    _tl_cuda.gdc_launch_dependents()
+                    _tl_cuda.gdc_wait()
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                if GLU:
+                    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                if NORM:
+                    acc_ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = k0 + rk < K
+                    wm = n_ok[:, None] & k_ok[None, :]
+                    x = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(wp + k0, mask=wm, other=0.0)
+                    acc += w.to(tl.float32) * x[None, :]
+                    if GLU:
+                        wu = tl.load(up + k0, mask=wm, other=0.0)
+                        acc_u += wu.to(tl.float32) * x[None, :]
+                    if NORM:
+                        acc_ss += x * x
+                y = tl.sum(acc, 1)
+                if GLU:
+                    u = tl.sum(acc_u, 1)
+                if NORM:
+                    ss = tl.sum(acc_ss, 0)
             if NORM:
-                ss = tl.sum(acc_ss, 0)
-        if NORM:
-            r = tl.rsqrt(ss / K + eps)
-            y = y * r
-            if GLU:
-                u = u * r
-        if HAS_BIAS:
-            y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
-            if GLU:
-                u += tl.load(BIAS + N_OUT + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if GLU:
-            y = y / (1.0 + tl.exp(-y)) * u
-        if HAS_RES:
-            y += tl.load(R + m.to(tl.int64) * s_r + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
-
+                r = tl.rsqrt(ss / K + eps)
+                y = y * r
+                if GLU:
+                    u = u * r
+            if not GLU:
+                u = y
+            _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
 
     @triton.jit
     def _int4_tile(W, S, Z, rows, n_ok, g, g_ok, G, ZB, GS: tl.constexpr):
@@ -258,9 +283,10 @@ if triton is not None:
                              + ((x4 * x4 + x5 * x5) + (x6 * x6 + x7 * x7)), 1), 0)
 
     @triton.jit
-    def _int4_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS: tl.constexpr,
+    def _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS: tl.constexpr,
                   HAS_RES: tl.constexpr, GLU: tl.constexpr):
-        """Bias, SiLU-mul and residual on a tile's row sums (norm applied), then the store."""
+        """Bias, SiLU-mul (u: the up rows' sums) and residual on a tile's row sums (norm
+        applied), then the store."""
         if HAS_BIAS:
             y += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)
             if GLU:
@@ -313,7 +339,7 @@ if triton is not None:
                     wu2, su2, zu2 = _int4_tile(W, S, Z, rn2 + N_OUT, ok2, rg, g_ok, G, ZB, GS)
                     u = _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7) * r
                     wu, su, zu = wu2, su2, zu2
-                _int4_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
+                _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
                 w, s, z = w2, s2, z2
         else:
             if PDL:
@@ -341,7 +367,7 @@ if triton is not None:
                     if GLU:
                         wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, g, g_ok, G, ZB, GS)
                         u += _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
-                _int4_out(y * r, u * r, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS,
+                _gemv_out(y * r, u * r, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS,
                           HAS_RES, GLU)
 
 
@@ -360,7 +386,9 @@ def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, *, eps: float | None = None, glu: bool = False,
                 num_warps: int | None = None, elems: int | None = None,
-                pdl: bool | None = None) -> torch.Tensor:
+                pdl: bool | None = None, programs: int | None = None) -> torch.Tensor:
+    """programs: persistent programs (each loops over row tiles), whole K in one tile only;
+    None: one program per tile."""
     n_out = _check(x, weight, bias, residual, glu)
     K = weight.shape[1]
     x2, w = unit_stride(x.reshape(-1, K)), unit_stride(weight)
@@ -372,12 +400,15 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if pdl is None:
         pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(cdiv(n_out, bn), M)](
+    tiles = cdiv(n_out, bn)
+    persist = programs is not None and K <= bk
+    _gemv_kernel[(min(tiles, programs) if persist else tiles, M)](
         x2, w, bias if bias is not None else w, r if r is not None else out, out, n_out, K,
         x2.stride(0), w.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
         float(eps) if eps is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_RES=r is not None, NORM=eps is not None, GLU=glu,
-        BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=K <= bk, PDL=pdl, num_warps=num_warps, **extra)
+        BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=K <= bk, PDL=pdl, PERSIST=persist,
+        num_warps=num_warps, **extra)
     return out.reshape(*x.shape[:-1], n_out)
 
 

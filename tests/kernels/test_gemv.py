@@ -89,6 +89,18 @@ def test_gemv_interpreter_k_chunks(glu, eps, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("glu,eps,bias", [(False, None, False), (True, 1e-5, True), (False, 1e-5, True)])
+def test_gemv_interpreter_persistent(glu, eps, bias):
+    """Persistent programs (fewer than the row tiles): each walks its tiles, loading the next
+    ahead; same values."""
+    x, w, b, r = case(2, 40, 64, torch.float32, glu=glu, bias=bias, residual=True)
+    ref = gv.gemv_ref(x, w, b, r, eps=eps, glu=glu)
+    for programs in (1, 3):
+        check(gv.gemv_triton(x, w, b, r, eps=eps, glu=glu, elems=256, programs=programs), ref,
+              torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
 def test_gemv_interpreter_strided_input():
     """A view with a row stride (a slice of a wider buffer) is read in place."""
     x, w, _, _ = case(3, 16, 32, torch.float32)
@@ -141,6 +153,16 @@ def test_gemv_cuda(N, K, glu, eps, bias, residual):
     ref = gv.gemv_ref(x, w, b, r, eps=eps, glu=glu)
     check(torch.ops.llmaccel.gemv(x, w, b, r, eps=eps, glu=glu), ref, torch.bfloat16)
     check(gv.gemv_triton(x, w, b, r, eps=eps, glu=glu, pdl=False), ref, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,K,glu", SHAPES[:8])
+def test_gemv_cuda_persistent(N, K, glu):
+    x, w, b, r = case(1, N, K, torch.bfloat16, glu=glu, bias=True, residual=True, device="cuda")
+    ref = gv.gemv_ref(x, w, b, r, eps=1e-5, glu=glu)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for pps in (1, 4):
+        check(gv.gemv_triton(x, w, b, r, eps=1e-5, glu=glu, programs=pps * n_sm), ref, torch.bfloat16)
 
 
 @pytest.mark.cuda
