@@ -47,11 +47,16 @@ except ImportError:  # the reference works without triton
 
 # Weights per program (both tiles with glu) and warps: the best for chains of PDL-launched
 # GEMVs (each reading the one before, as in a decode step) among 2-16K weights x 2/4/8 warps on
-# the H200: SmolLM2's and llama-1b's layers 4K x 4 warps, llama2-7b's (K and N >= 4096) 8K x 8
-# (alone and without PDL, 8 warps read faster at 4K, but in a chain their waiting dependents
-# crowd the SMs; scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-29-gemv-chains.json).
+# the H200 for SmolLM2's layers: 4K x 4 warps, one program per row tile (alone and without
+# PDL, 8 warps read faster at 4K, but in a chain their waiting dependents crowd the SMs;
+# scripts/gpu_gemv_probe.py, docs/results/h200-2026-11-29-gemv-chains.json).
 ELEMS, WARPS = 4096, 4
-ELEMS_LARGE, WARPS_LARGE = 8192, 8
+# Matrices of at least PERSIST_WEIGHTS weights (llama-1b's and llama2-7b's layers): persistent
+# programs, PERSIST_PER_SM per SM, 8K weights x 4 warps per tile (chains: llama2-7b 3,355 ->
+# 3,249 us, llama-1b 573 -> 566; SmolLM2's small matrices are slower that way: 192 -> 227+;
+# docs/results/h200-2026-11-30-gemv-persist.json).
+PERSIST_WEIGHTS = 1 << 22
+PERSIST_PER_SM, PERSIST_ELEMS, PERSIST_WARPS = 4, 8192, 4
 # Above this K a program would hold too large a tile in registers: the op stays correct but
 # loops over K in chunks of this size (no prefetch before the wait).
 MAX_BLOCK_K = 16384
@@ -372,36 +377,38 @@ if triton is not None:
 
 
 def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
-                warps: int | None = None) -> tuple[int, int, int]:
+                warps: int | None = None, persist: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps): the whole K in one tile up to MAX_BLOCK_K, about `elems`
-    weights per program (gate and up tiles together with glu), at least one row."""
+    weights per tile (gate and up tiles together with glu), at least one row."""
     block_k = min(max(16, triton.next_power_of_2(k)), MAX_BLOCK_K)
-    large = block_k >= 4096 and n_out >= 4096
-    elems = elems or (ELEMS_LARGE if large else ELEMS)
+    elems = elems or (PERSIST_ELEMS if persist else ELEMS)
     tiles = 2 if glu else 1
     block_n = max(1, min(elems // (tiles * block_k), triton.next_power_of_2(n_out)))
-    return block_n, block_k, warps or (WARPS_LARGE if large else WARPS)
+    return block_n, block_k, warps or (PERSIST_WARPS if persist else WARPS)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, *, eps: float | None = None, glu: bool = False,
                 num_warps: int | None = None, elems: int | None = None,
                 pdl: bool | None = None, programs: int | None = None) -> torch.Tensor:
-    """programs: persistent programs (each loops over row tiles), whole K in one tile only;
-    None: one program per tile."""
+    """programs: persistent programs (each loops over row tiles; whole K in one tile only), 0
+    for one program per row tile, None for the op's choice (PERSIST_WEIGHTS)."""
     n_out = _check(x, weight, bias, residual, glu)
     K = weight.shape[1]
+    if programs is None:
+        big = weight.numel() >= PERSIST_WEIGHTS and K <= MAX_BLOCK_K and x.is_cuda
+        programs = PERSIST_PER_SM * _n_sm(x.device) if big else 0
+    persist = programs > 0 and K <= MAX_BLOCK_K
     x2, w = unit_stride(x.reshape(-1, K)), unit_stride(weight)
     M = x2.shape[0]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     bias = unit_stride(bias) if bias is not None else None
     r = unit_stride(residual.reshape(M, n_out)) if residual is not None else None
-    bn, bk, num_warps = gemv_config(n_out, K, glu, elems, num_warps)
+    bn, bk, num_warps = gemv_config(n_out, K, glu, elems, num_warps, persist)
     if pdl is None:
         pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}
     tiles = cdiv(n_out, bn)
-    persist = programs is not None and K <= bk
     _gemv_kernel[(min(tiles, programs) if persist else tiles, M)](
         x2, w, bias if bias is not None else w, r if r is not None else out, out, n_out, K,
         x2.stride(0), w.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
