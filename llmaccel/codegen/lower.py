@@ -257,17 +257,18 @@ def _gemv_targets() -> dict:
     return out
 
 
-def _int4_gemv_weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+def _int4_gemv_weights(node: torch.fx.Node) -> bool:
     """Whether a linear_int4 node (IR op or its custom op) reads stored weights that
     llmaccel::gemv_int4 takes (a power-of-two group size of at least 8)."""
     lin = custom_op("llmaccel", "linear_int4")
     if node.op != "call_function" or not (node.target is qops.linear_int4 or
                                           (lin is not None and node.target in (lin, lin.default))):
         return False
-    gs = node.kwargs.get("group_size", node.args[5] if len(node.args) > 5 else 128)
-    stored = node.args[1:4]
-    return len(node.args) <= 5 and isinstance(gs, int) and gs >= 8 and not gs & (gs - 1) and \
-        all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored)
+    if len(node.args) > 5 or set(node.kwargs) - {"group_size"}:
+        return False  # (x, qweight, scales, zeros, bias) by position, as `quant` writes them
+    gs = node.kwargs.get("group_size", 128)
+    return isinstance(gs, int) and gs >= 8 and not gs & (gs - 1) and \
+        all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1:4])
 
 
 def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -371,10 +372,8 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
             if w is not None and w.dim() == 2 and w.is_floating_point():
                 _retarget(node, op.default)
                 counts["gemv"] += 1
-        elif op4 is not None and _int4_gemv_weights(gm, node):
-            gs = node.kwargs.get("group_size", node.args[5] if len(node.args) > 5 else 128)
-            node.args = node.args[:5]
-            node.kwargs = {"group_size": gs}
+        elif op4 is not None and _int4_gemv_weights(node):
+            node.kwargs = {"group_size": node.kwargs.get("group_size", 128)}
             _retarget(node, op4.default)
             counts["gemv"] += 1
             counts["int4"] += 1
@@ -473,7 +472,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
         # they are (their CPU implementation is the reference)
         form = cpu_forms().get(name) if device.type == "cpu" and not (
-            linear == "gemv" and name == "linear_int4") else None
+            linear == "gemv" and _int4_gemv_weights(node)) else None
         if form is not None and _to_cpu_form(new, node, form, rep, prepared):
             rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
             continue

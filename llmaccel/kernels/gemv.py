@@ -383,8 +383,12 @@ def gemv_config(n_out: int, k: int, glu: bool, elems: int | None = None,
     block_k = min(max(16, triton.next_power_of_2(k)), MAX_BLOCK_K)
     elems = elems or (PERSIST_ELEMS if persist else ELEMS)
     tiles = 2 if glu else 1
-    block_n = max(1, min(elems // (tiles * block_k), triton.next_power_of_2(n_out)))
+    block_n = _pow2_floor(max(1, min(elems // (tiles * block_k), triton.next_power_of_2(n_out))))
     return block_n, block_k, warps or (PERSIST_WARPS if persist else WARPS)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -400,6 +404,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         programs = PERSIST_PER_SM * _n_sm(x.device) if big else 0
     persist = programs > 0 and K <= MAX_BLOCK_K
     x2, w = unit_stride(x.reshape(-1, K)), unit_stride(weight)
+    if w is not weight:  # a copy: written by a kernel that does not let this one start early
+        pdl = False
     M = x2.shape[0]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     bias = unit_stride(bias) if bias is not None else None
@@ -435,7 +441,7 @@ def gemv_int4_config(n_out: int, groups: int, group_size: int, glu: bool, words:
     wpg = group_size // 8
     block_g = min(triton.next_power_of_2(groups), max(1, MAX_WORDS_ROW // wpg))
     tiles = 2 if glu else 1
-    block_n = max(1, min((words or WORDS) // (tiles * block_g * wpg), triton.next_power_of_2(n_out)))
+    block_n = _pow2_floor(max(1, min((words or WORDS) // (tiles * block_g * wpg), n_out)))
     return block_n, block_g, warps or WORDS_WARPS
 
 
@@ -445,6 +451,7 @@ def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      eps: float | None = None, glu: bool = False, num_warps: int | None = None,
                      words: int | None = None, pdl: bool | None = None,
                      programs: int | None = None) -> torch.Tensor:
+    """programs: persistent programs (None: PROGRAMS_PER_SM per SM; 0: one per row tile)."""
     n_out = _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu)
     N, G, _ = qweight.shape
     K = x.shape[-1]
@@ -456,15 +463,19 @@ def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     w = qweight.reshape(N, -1)
     if not w.is_contiguous() or w.data_ptr() % 16:
         w = w.clone(memory_format=torch.contiguous_format)
+    s, z = scales.contiguous(), zeros.contiguous()
     bn, bg, num_warps = gemv_int4_config(n_out, G, group_size, glu, words, num_warps)
     if pdl is None:
-        pdl = pdl_enabled(x)
+        # a copy made here is written by a kernel that never lets this one start early, and
+        # this one reads its weights before the wait
+        copied = w.data_ptr() != qweight.data_ptr() or s is not scales or z is not zeros
+        pdl = pdl_enabled(x) and not copied
     extra = {"launch_pdl": True} if pdl else {}
     tiles = cdiv(n_out, bn)
     if programs is None:
         programs = PROGRAMS_PER_SM * (_n_sm(x.device) if x.is_cuda else 2)
-    _gemv_int4_kernel[(max(1, min(tiles, programs)), M)](
-        x2, w.view(torch.int32), scales.contiguous(), zeros.contiguous(),
+    _gemv_int4_kernel[(min(tiles, programs) if programs > 0 else tiles, M)](
+        x2, w.view(torch.int32), s, z,
         bias if bias is not None else out, r if r is not None else out, out, n_out, K, G,
         zeros.shape[1], x2.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
         float(eps) if eps is not None else 0.0, GS=group_size,

@@ -99,6 +99,7 @@ def test_int4_gemv_step_within_bf16_noise_and_greedy_identical():
                                         max_len=512, dtype=torch.float32, device="cuda"))
     assert got[0].tolist() == greedy
 
+
 def test_bench_on_gpu_reports_roofline_and_profile():
     from llmaccel.bench.run import bench
 

@@ -176,6 +176,7 @@ def test_gemv_int4_engine_matches_reference_compiled():
     assert eng.decode_report.gemv["int4"] == 4 * m.config.n_layers + 1
     _close(_stepwise(eng, ids, 5), m.logits(ids))
 
+
 def test_gemv_lowering_of_a_gpt2_graph():
     """GPT-2 (LayerNorm, GELU MLP, biases): the linears become GEMVs with their biases, nothing
     else moves inside them."""

@@ -93,9 +93,9 @@ def test_gemv_interpreter_k_chunks(glu, eps, monkeypatch):
 def test_gemv_interpreter_persistent(glu, eps, bias):
     """Persistent programs (fewer than the row tiles): each walks its tiles, loading the next
     ahead; same values."""
-    x, w, b, r = case(2, 40, 64, torch.float32, glu=glu, bias=bias, residual=True)
+    x, w, b, r = case(2, 42, 64, torch.float32, glu=glu, bias=bias, residual=True)
     ref = gv.gemv_ref(x, w, b, r, eps=eps, glu=glu)
-    for programs in (1, 3):
+    for programs in (1, 3):  # 42 rows in tiles of 4 (2 with glu): a partial last tile
         check(gv.gemv_triton(x, w, b, r, eps=eps, glu=glu, elems=256, programs=programs), ref,
               torch.float32)
 
@@ -273,6 +273,21 @@ def test_gemv_int4_interpreter_looped_groups(glu, eps, monkeypatch):
     assert gv.gemv_int4_config(6 if glu else 12, 4, 32, glu)[1] == 1
     check(gv.gemv_int4_triton(x, *w, b, r, group_size=32, eps=eps, glu=glu),
           gv.gemv_int4_ref(x, *w, b, r, group_size=32, eps=eps, glu=glu), torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("glu,eps,chunked", [(False, None, False), (True, 1e-5, False),
+                                             (False, 1e-5, True), (True, None, True)])
+def test_gemv_int4_interpreter_tiles_per_program(glu, eps, chunked, monkeypatch):
+    """More row tiles than programs (a partial last one), one chunk of groups or several:
+    each program walks its tiles, loading the next ahead; same values."""
+    if chunked:
+        monkeypatch.setattr(gv, "MAX_WORDS_ROW", 4)
+    x, w, b, r = case_int4(2, 26, 100, 32, torch.float32, glu=glu, bias=True, residual=True)
+    ref = gv.gemv_int4_ref(x, *w, b, r, group_size=32, eps=eps, glu=glu)
+    for programs in (1, 2, 0):
+        check(gv.gemv_int4_triton(x, *w, b, r, group_size=32, eps=eps, glu=glu, words=16,
+                                  programs=programs), ref, torch.float32)
 
 
 def test_int4_custom_op_on_cpu_and_shape_errors():
