@@ -79,6 +79,23 @@ def single(name, N, K, glu, bw):
     return res
 
 
+def time_chains(runs, nbytes, bw, name):
+    """{label: us, TB/s and fraction of bw (or the error)} for each (label, step) in runs: a step
+    reading nbytes of weights, timed as a CUDA graph (a tiling that fails is recorded, not fatal)."""
+    out = {}
+    for label, fn in runs:
+        try:
+            s = time_graph(lambda i, fn=fn: fn, 1)
+        except Exception as e:
+            out[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"{name} {label}: {out[label]['error']}", flush=True)
+            continue
+        out[label] = {"us": round(s * 1e6, 1), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
+        print(f"{name} {label:<20} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})",
+              flush=True)
+    return out
+
+
 MODELS = {"smol": (576, 960, 1536, 30), "1b": (2048, 3072, 8192, 16), "7b": (4096, 12288, 11008, 32)}
 
 
@@ -124,15 +141,7 @@ def chain(bw, model="1b", tiles=((None, None),), cublas=True):
             for p in [p_[0] if p_ else None]] + [("nopdl", fused(False, None, None))]
     if cublas:
         runs.append(("cublas_gemvs_only", cublas_step))
-    for label, fn in runs:
-        try:
-            s = time_graph(lambda i, fn=fn: fn, 1)
-        except Exception as e:
-            out[label] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            continue
-        out[label] = {"us": round(s * 1e6, 1), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
-        print(f"chain {model} {label:<18} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})",
-              flush=True)
+    out.update(time_chains(runs, nbytes, bw, f"chain {model}"))
     del layers
     torch.cuda.empty_cache()
     return out
@@ -192,16 +201,7 @@ def chain_int4(bw, model="1b", tiles=((None, None),), gs=128):
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     runs = [(f"pdl_w{e}w{w}p{p}", fused(True, e, w, p)) for e, w, p in tiles] + \
         [("nopdl", fused(False, None, None)), ("linear_int4_unfused", unfused)]
-    for label, fn in runs:
-        try:
-            s = time_graph(lambda i, fn=fn: fn, 1)
-        except Exception as e:
-            out[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            print(f"chain int4 {model} {label}: {out[label]['error']}", flush=True)
-            continue
-        out[label] = {"us": round(s * 1e6, 1), "TBs": round(nbytes / s / 1e12, 3), "frac": round(nbytes / s / bw, 3)}
-        print(f"chain int4 {model} {label:<20} {s * 1e6:8.1f} us  {nbytes / s / 1e12:.2f} TB/s ({nbytes / s / bw:.0%})",
-              flush=True)
+    out.update(time_chains(runs, nbytes, bw, f"chain int4 {model}"))
     del layers
     torch.cuda.empty_cache()
     return out

@@ -116,7 +116,7 @@ def main() -> None:
         del src
         # read floor: the packed words only, GEMV tiling
         KW = K // 8
-        words = [ql._words(c["qw"]) for c in c4]
+        words = [ql.packed_words(c["qw"]) for c in c4]
         reads = []
         for rc in read_configs(N, KW):
             rc = dict(rc)

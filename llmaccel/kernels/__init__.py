@@ -17,6 +17,16 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the property query is slow)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def registered(name: str) -> bool:
     """Whether torch.ops.llmaccel.<name> exists: a kernel module imported afresh (tests import
     them again under the Triton interpreter) must not register its custom ops twice."""

@@ -31,12 +31,11 @@ CPU implementation: the references.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from llmaccel.kernels import cdiv, pdl_enabled, registered, unit_stride
+from llmaccel.kernels import cdiv, pdl_enabled, registered, sm_count, unit_stride
+from llmaccel.kernels.quant_linear import packed_words
 from llmaccel.ops.quant import dequantize_int4
 
 try:
@@ -400,8 +399,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n_out = _check(x, weight, bias, residual, glu)
     K = weight.shape[1]
     if programs is None:
-        big = weight.numel() >= PERSIST_WEIGHTS and K <= MAX_BLOCK_K and x.is_cuda
-        programs = PERSIST_PER_SM * _n_sm(x.device) if big else 0
+        big = weight.numel() >= PERSIST_WEIGHTS and x.is_cuda
+        programs = PERSIST_PER_SM * sm_count(x.device) if big else 0
     persist = programs > 0 and K <= MAX_BLOCK_K
     x2, w = unit_stride(x.reshape(-1, K)), unit_stride(weight)
     if w is not weight:  # a copy: written by a kernel that does not let this one start early
@@ -425,15 +424,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.reshape(*x.shape[:-1], n_out)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _n_sm(device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def gemv_int4_config(n_out: int, groups: int, group_size: int, glu: bool, words: int | None = None,
                      warps: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_G, warps): all groups in one tile up to MAX_WORDS_ROW words per row,
@@ -453,29 +443,26 @@ def gemv_int4_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      programs: int | None = None) -> torch.Tensor:
     """programs: persistent programs (None: PROGRAMS_PER_SM per SM; 0: one per row tile)."""
     n_out = _check_int4(x, qweight, scales, zeros, bias, residual, group_size, glu)
-    N, G, _ = qweight.shape
+    G = qweight.shape[1]
     K = x.shape[-1]
     x2 = unit_stride(x.reshape(-1, K))
     M = x2.shape[0]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     bias = unit_stride(bias) if bias is not None else None
     r = unit_stride(residual.reshape(M, n_out)) if residual is not None else None
-    w = qweight.reshape(N, -1)
-    if not w.is_contiguous() or w.data_ptr() % 16:
-        w = w.clone(memory_format=torch.contiguous_format)
+    w = packed_words(qweight)
     s, z = scales.contiguous(), zeros.contiguous()
+    if w.data_ptr() != qweight.data_ptr() or s is not scales or z is not zeros:
+        pdl = False  # a copy: written by a kernel that does not let this one start early
     bn, bg, num_warps = gemv_int4_config(n_out, G, group_size, glu, words, num_warps)
     if pdl is None:
-        # a copy made here is written by a kernel that never lets this one start early, and
-        # this one reads its weights before the wait
-        copied = w.data_ptr() != qweight.data_ptr() or s is not scales or z is not zeros
-        pdl = pdl_enabled(x) and not copied
+        pdl = pdl_enabled(x)
     extra = {"launch_pdl": True} if pdl else {}
     tiles = cdiv(n_out, bn)
     if programs is None:
-        programs = PROGRAMS_PER_SM * (_n_sm(x.device) if x.is_cuda else 2)
+        programs = PROGRAMS_PER_SM * (sm_count(x.device) if x.is_cuda else 2)
     _gemv_int4_kernel[(min(tiles, programs) if programs > 0 else tiles, M)](
-        x2, w.view(torch.int32), s, z,
+        x2, w, s, z,
         bias if bias is not None else out, r if r is not None else out, out, n_out, K, G,
         zeros.shape[1], x2.stride(0), r.stride(0) if r is not None else 0, out.stride(0),
         float(eps) if eps is not None else 0.0, GS=group_size,

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from llmaccel.kernels import cdiv, registered
+from llmaccel.kernels import cdiv, registered, sm_count
 from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
     GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config)
 from llmaccel.ops import quant as ref
@@ -407,9 +407,7 @@ if triton is not None:
 # --- launch configuration: tables and heuristics in quant_linear_configs.py ------------------------
 
 def _n_sm(device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device) if device.type == "cuda" else 132
 
 
 # --- wrappers ------------------------------------------------------------------------------------
@@ -433,7 +431,7 @@ def _finish(out, x, bias, split):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _words(q: torch.Tensor) -> torch.Tensor:
+def packed_words(q: torch.Tensor) -> torch.Tensor:
     """The codes as int32 words (N, bytes / 4), a view of the same storage."""
     w = q.reshape(q.shape[0], -1)
     if not w.is_contiguous() or w.data_ptr() % 16:  # a fresh copy is aligned (slow path)
@@ -481,7 +479,7 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
     serial = ws is not None
     out = _out(M, N, x, 1 if serial else split)
     has_bias = bias is not None and (split == 1 or serial)
-    args = (x2, _words(qweight), scales.contiguous(), zeros.contiguous(), bias if has_bias else out, out)
+    args = (x2, packed_words(qweight), scales.contiguous(), zeros.contiguous(), bias if has_bias else out, out)
     flags = dict(GS=group_size, EVEN_K=K == G * group_size, HAS_BIAS=has_bias,
                  ATOMIC=split > 1 and not serial)
     if serial:
@@ -552,7 +550,7 @@ def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):
         out = _out(M, N, x, split)
         has_bias = bias is not None and split == 1
         _int8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), split)](
-            x2, _words(qweight), scales, bias if has_bias else out, out, N, K, kw, wps, x2.stride(0),
+            x2, packed_words(qweight), scales, bias if has_bias else out, out, N, K, kw, wps, x2.stride(0),
             ROWS=M, BLOCK_M=_pow2(M), EVEN_K=True, HAS_BIAS=has_bias, ATOMIC=split > 1, **cfg)
     else:
         cfg.pop("UNPACK", None)

@@ -145,15 +145,20 @@ def test_gemv_lowering_fuses_the_neighbours(passes):
     _close(low(ids, pos, None), m.gm(ids, pos, None))
 
 
+def _w4_tiny_llama(lm_head: bool):
+    """tiny-llama after fuse and RTN W4 g32 (the LM head in int4 too, or not)."""
+    return compile("preset:tiny-llama", ["fuse", "quant"],
+                   {"quant": {"method": "rtn", "bits": 4, "group_size": 32, "lm_head": lm_head}},
+                   progress=False, eval_tokens=0)
+
+
 @pytest.mark.parametrize("lm_head", [True, False])
 def test_gemv_lowering_of_int4_linears(lm_head):
     """W4 (fuse, then quant): every linear_int4 a llmaccel::gemv_int4 with the same neighbours
     inside as the bf16 GEMVs; an int4 LM head takes the final RMSNorm too (its scale folded
     into the head's own copy), so the graph is embedding, GEMVs, RoPE and attention. Same
     logits in fp32 (the op's CPU form is its reference)."""
-    m = compile("preset:tiny-llama", ["fuse", "quant"],
-                {"quant": {"method": "rtn", "bits": 4, "group_size": 32, "lm_head": lm_head}},
-                progress=False, eval_tokens=0)
+    m = _w4_tiny_llama(lm_head)
     L = m.config.n_layers
     low, rep = lower(m.gm, max_len=64, linear="gemv")
     n = 4 * L + lm_head
@@ -169,9 +174,7 @@ def test_gemv_lowering_of_int4_linears(lm_head):
 def test_gemv_int4_engine_matches_reference_compiled():
     torch._dynamo.reset()
     ids = torch.randint(0, 512, (2, 9))
-    m = compile("preset:tiny-llama", ["fuse", "quant"],
-                {"quant": {"method": "rtn", "bits": 4, "group_size": 32, "lm_head": True}},
-                progress=False, eval_tokens=0)
+    m = _w4_tiny_llama(lm_head=True)
     eng = DecodeEngine(m, 2, 16, compile=True, backend="aot_eager", linear="gemv", attn="fused")
     assert eng.decode_report.gemv["int4"] == 4 * m.config.n_layers + 1
     _close(_stepwise(eng, ids, 5), m.logits(ids))
