@@ -100,7 +100,12 @@ for v in $VARIANTS; do
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear rows ;;
     grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
             --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
-    *) echo "unknown variant $v (known: int4 int4head int4mm mm rows gemv gemvnopdl gemv7b gemvsmol smolrows nocustom tune grouped)" ;;
+    kv16) run "llmc_llama-1b_bs64_p4096" 300 $PY -m llmaccel.bench preset:llama-1b --batch 64 \
+            --prompt-len 4096 --gen-len $G --dtype bfloat16 --json --no-bw ;;
+    kv2) run "llmc_llama-1b-kv2_bs64_p4096" 300 $PY -m llmaccel.bench preset:llama-1b --batch 64 \
+            --prompt-len 4096 --gen-len $G --dtype bfloat16 --json --no-bw --passes fuse,kvquant \
+            --set kvquant.bits=2 ;;
+    *) echo "unknown variant $v (known: int4 int4head int4mm mm rows gemv gemvnopdl gemv7b gemvsmol smolrows nocustom tune grouped kv16 kv2)" ;;
   esac
 done
 
@@ -137,6 +142,15 @@ for label in ("llmc_llama-1b-int4head_bs1", "llmc_llama-1b-int4_bs1_mm", "llmc_l
         continue
     print(f"{label:<28} {fmt(r.get('decode_tok_s'))} tok/s, step {fmt(r.get('step_ms'), 3)} ms, "
           f"{fmt(r.get('kernels_per_step'), 1)} kernels/step")
+kv16, kv2 = by.get("llmc_llama-1b_bs64_p4096", {}), by.get("llmc_llama-1b-kv2_bs64_p4096", {})
+for name, r in (("bf16 KV", kv16), ("KV2", kv2)):
+    if r.get("decode_tok_s"):
+        print(f"llama-1b bs64 prompt 4096, {name:<8} decode phase {fmt(r.get('decode_step_tok_s'))} tok/s "
+              f"(step {fmt(r.get('step_ms'), 3)} ms, {fmt(r.get('kernels_per_step'), 1)} kernels), whole generate "
+              f"{fmt(r.get('decode_tok_s'))} tok/s, prefill {fmt(r.get('prefill_tok_s'))} tok/s")
+if kv16.get("decode_step_tok_s") and kv2.get("decode_step_tok_s"):
+    print(f"KV2 / bf16 KV: decode phase {kv2['decode_step_tok_s'] / kv16['decode_step_tok_s']:.2f}x (goal 1.6x), "
+          f"whole generate {kv2['decode_tok_s'] / kv16['decode_tok_s']:.2f}x")
 errs = [r for r in rows if "error" in r]
 for r in errs:
     print(f"FAILED {r['label']}: {r['error']}: {r.get('tail', '')[-200:]!r}")

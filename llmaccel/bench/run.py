@@ -2,6 +2,8 @@
 
 decode_tok_s: batch * gen output tokens over the whole generate call (prefill included: its
 token is the first output), after warm-up runs, so the figure compares with the peers' directly.
+decode_step_tok_s: batch / time per decode step, the decode phase alone (at long prompts the
+prefill dominates the whole generate; a KV-cache format changes only the decode phase).
 The roofline divides the bytes a decode step must read (every weight once, except an untied
 embedding table of which a step reads a few rows, plus the KV cache at the mean context length)
 by a copy bandwidth: 4.27e12 B/s measured on the H200, or the one measured in the run.
@@ -42,7 +44,15 @@ def weight_bytes_per_step(gm: torch.fx.GraphModule) -> int:
 
 
 def kv_bytes_per_step(gm: torch.fx.GraphModule, batch: int, context: float, elem_size: int) -> float:
-    return sum(2 * batch * kv * hd * context * elem_size for kv, hd in attention_layers(gm).values())
+    """Cache bytes a decode step reads: K and V of every token in the model's dtype, or in a
+    KIVI layer codes, scales and mins (its full-precision recent tokens counted as quantized)."""
+    from llmaccel.compiler.executor import kv_quant_specs
+    from llmaccel.ops.kvquant import bytes_per_token
+
+    specs = kv_quant_specs(gm)
+    return sum(batch * context * (bytes_per_token(specs[i], kv, hd, scale_bytes=elem_size) if i in specs
+                                  else 2 * kv * hd * elem_size)
+               for i, (kv, hd) in attention_layers(gm).items())
 
 
 def cuda_time_us(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -197,6 +207,8 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "custom_ops": eng.report.custom, "custom_ops_rejected": sorted(eng.report.rejected),
         "cpu_traced_ops": eng.report.cpu_traced,
         "decode_tok_s": batch * gen_len / gen_s,
+        # the decode phase alone (what a KV-cache format changes at long prompts)
+        "decode_step_tok_s": batch / step_s if step_s else None,
         "prefill_tok_s": batch * prompt_len / prefill_s,
         "tpot_ms": 1e3 * gen_s / gen_len, "step_ms": step_s and 1e3 * step_s, "generate_s": gen_s,
         "peak_mem_bytes": int(peak), "weight_bytes": w_bytes, "kv_bytes_per_step": int(kv_bytes),
@@ -280,7 +292,8 @@ def render(res: dict) -> str:
              f"compiled: {res['compiled']}, linear {res['linear']}, attn {res['attn']})",
              f"  decode   {res['decode_tok_s']:10.1f} tok/s  (output tokens over the whole generate)",
              f"  prefill  {res['prefill_tok_s']:10.1f} tok/s",
-             f"  per step {res['step_ms'] or 0:10.3f} ms     (time per output token {res['tpot_ms']:.3f} ms)",
+             f"  per step {res['step_ms'] or 0:10.3f} ms     (time per output token {res['tpot_ms']:.3f} ms; "
+             f"decode phase {res['decode_step_tok_s'] or 0:.1f} tok/s)",
              f"  peak mem {res['peak_mem_bytes'] / 2**30:10.2f} GiB",
              f"  bytes/step {res['bytes_per_step'] / 1e9:8.3f} GB  (weights {res['weight_bytes'] / 1e9:.3f}, "
              f"KV {res['kv_bytes_per_step'] / 1e9:.3f})"]

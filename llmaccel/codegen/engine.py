@@ -19,6 +19,7 @@ from llmaccel.codegen.lower import ROWS_MAX_WEIGHTS, LowerReport, largest_linear
 from llmaccel.codegen.static_cache import ATTN_IMPLS, StaticKVCache, fuse_rope
 from llmaccel.compiler.model import Model
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.kvquant import kv_quant_attention
 
 LINEAR_IMPLS = ("auto", "mm", "rows", "gemv")
 # Up to this many rows per step the decode linears run as GEMVs (llmaccel::gemv, or Inductor
@@ -60,7 +61,7 @@ def _prefill_fn(gm, cache: StaticKVCache):
     `_step_fn`), so its compiled variants, one per prompt length, do not count against the
     decode logits step's recompile limit."""
     def prefill(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        logits = gm(ids, pos.expand(ids.shape[0], -1), cache.bind(pos, "sdpa"))
+        logits = gm(ids, pos.expand(ids.shape[0], -1), cache.bind(pos, "prefill"))
         return logits[:, -1].argmax(-1, keepdim=True)
     return prefill
 
@@ -102,10 +103,11 @@ class DecodeEngine:
         if max_len > model.config.max_position:
             raise LlmaccelError(f"max length {max_len} exceeds the model's {model.config.max_position} positions")
         other = {n.target.__name__ for n in model.gm.graph.nodes if n.op == "call_function"
-                 and n.target is not ops.attention and "attention" in getattr(n.target, "__name__", "")}
+                 and n.target not in (ops.attention, kv_quant_attention)
+                 and "attention" in getattr(n.target, "__name__", "")}
         if other:
-            raise LlmaccelError(f"the static decode path supports plain attention only; the graph has "
-                                f"{', '.join(sorted(other))} (use the runtime for a quantized KV cache)")
+            raise LlmaccelError(f"the static decode path supports softmax attention only (its KV cache "
+                                f"in full precision or KIVI-quantized); the graph has {', '.join(sorted(other))}")
         self.model, self.batch, self.max_len = model, batch, max_len
         dev = torch.device(model.device)
         cuda = dev.type == "cuda"
@@ -241,6 +243,9 @@ class DecodeEngine:
         """Logits (B, T, V) for ids at positions start.., through the decode graph (tests)."""
         self._check(ids, start)
         T = ids.shape[1]
+        if T > 1 and start and self.cache.specs:
+            raise LlmaccelError("a KIVI-quantized static cache takes several tokens only as the "
+                                "prefill, at position 0")
         if T == 1:
             return self._logits_step(ids, self._pos[start]).clone()
         pos = torch.arange(start, start + T, device=ids.device)

@@ -60,6 +60,9 @@ class SpeculativeDecoder:
             raise LlmaccelError("speculative decoding on the static path runs at batch 1")
         if k < 1:
             raise LlmaccelError(f"the number of speculative tokens must be positive, got {k}")
+        if target.cache.specs:  # its verify writes k + 1 tokens past the prefill, and rolls back
+            raise LlmaccelError("speculative decoding on the static path needs a full-precision KV "
+                                "cache (the graph has a KIVI-quantized one: use the runtime)")
         if isinstance(draft, DecodeEngine) and draft.cache is not target.cache:
             raise LlmaccelError("a self draft must share the target's static cache")
         self.target, self.draft, self.k = target, draft, k

@@ -12,6 +12,12 @@ fused cache (prefill, speculative verification) run `grouped`. `rows` (the CPU d
 the decode attention as broadcast products and sums that Inductor compiles into fused loops.
 `fuse_rope` hands q and k to a fused decode attention before their rotary embedding, which the
 kernel applies (one launch per layer for RoPE, the KV write and attention).
+
+Layers whose attention is `kv_quant_attention` (the `kvquant` pass) keep a KIVI-quantized cache
+instead (llmaccel/kernels/static_kivi.py: packed codes, scales and a ring of full-precision
+recent tokens), read and written as the reference QuantizedKVCache does: a forward of several
+tokens must start at position 0 (the prefill), a one-token forward is a decode step
+(`llmaccel::static_kivi_decode`, Triton on CUDA, the reference elsewhere).
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import llmaccel.kernels.kivi  # noqa: F401  (registers llmaccel::kivi_quantize_*, used by the prefill)
 import llmaccel.kernels.static_attention  # noqa: F401  (registers llmaccel::static_decode_attention)
 from llmaccel import ops
+from llmaccel.kernels.static_kivi import CACHE_NAMES, cache_shapes, static_kivi_prefill
 from llmaccel.codegen.lower import _retarget, attention_layers, rope_table
 from llmaccel.ops.attention import merge_heads, split_heads
 
@@ -30,15 +38,25 @@ ATTN_IMPLS = ("sdpa", "grouped", "fused", "rows")
 
 
 class StaticKVCache(nn.Module):
+    """specs: layer -> KIVI spec (ops.kvquant.make_spec) for the layers kept quantized."""
+
     def __init__(self, layers: dict[int, tuple[int, int]], batch: int, max_len: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, specs: dict[int, dict] | None = None):
         super().__init__()
         self.batch, self.max_len, self.dtype = batch, max_len, dtype
         self.layer_ids = sorted(layers)
+        self.specs = dict(specs or {})
         for i, (n_kv, hd) in layers.items():
-            for kind in ("k", "v"):
-                buf = torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device)
-                self.register_buffer(f"{kind}{i}", buf, persistent=False)
+            if i in self.specs:
+                shapes = cache_shapes(batch, n_kv, hd, max_len, self.specs[i])
+                bufs = {n: torch.zeros(shapes[n], device=device,
+                                       dtype=torch.uint8 if n in ("kp", "vp") else dtype)
+                        for n in CACHE_NAMES}
+            else:
+                bufs = {n: torch.zeros(batch, n_kv, max_len, hd, dtype=dtype, device=device)
+                        for n in ("k", "v")}
+            for name, buf in bufs.items():
+                self.register_buffer(f"{name}{i}", buf, persistent=False)
                 # Dynamo must treat the buffers as fixed inputs that the graph mutates in place.
                 torch._dynamo.mark_static_address(buf)
         self.register_buffer("slots", torch.arange(max_len, device=device), persistent=False)
@@ -46,12 +64,19 @@ class StaticKVCache(nn.Module):
 
     @classmethod
     def for_graph(cls, gm: torch.fx.GraphModule, batch: int, max_len: int, dtype, device):
-        return cls(attention_layers(gm), batch, max_len, dtype, device)
+        from llmaccel.compiler.executor import kv_quant_specs
+
+        return cls(attention_layers(gm), batch, max_len, dtype, device, kv_quant_specs(gm))
+
+    def kivi_buffers(self, layer: int) -> list[torch.Tensor]:
+        return [getattr(self, f"{n}{layer}") for n in CACHE_NAMES]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n != "slots")
 
     def bind(self, pos: torch.Tensor, attn: str = "sdpa") -> "BoundCache":
+        """attn: one of ATTN_IMPLS, or "prefill" for a forward at positions 0 .. T - 1 (its
+        attention is causal over its own keys: flash attention, no mask over the buffer)."""
         return BoundCache(self, pos, attn)
 
 
@@ -63,10 +88,16 @@ class BoundCache:
         # Query at position p sees slots 0 .. p; computed once, shared by every layer.
         self.mask = cache.slots[None, :] <= pos[:, None]
 
+    def kv_quant_spec(self, layer: int) -> dict | None:
+        return self.cache.specs.get(layer)
+
     def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None):
         """rope: None, or (cos, sin, positions) when q and k still lack their rotary embedding;
         k = v = None when q is the fused projection (graphs rewritten by `fuse_rope`)."""
         c = self.cache
+        if layer in c.specs:
+            q, k, v = _unfused(q, k, v, rope, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+            return self._attend_kivi(layer, q, k, v, n_heads, n_kv_heads, head_dim, scale)
         kc, vc = getattr(c, f"k{layer}"), getattr(c, f"v{layer}")
         B, T = q.shape[0], q.shape[1]
         if self.attn == "fused" and T == 1:
@@ -82,13 +113,35 @@ class BoundCache:
         kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
         vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
         qh = split_heads(q, n_heads, head_dim)
-        if self.attn == "rows" and T == 1:
+        if self.attn == "prefill":  # positions 0 .. T - 1: causal over this forward's keys alone
+            out = F.scaled_dot_product_attention(qh, split_heads(k, n_kv_heads, head_dim).to(kc.dtype).to(q.dtype),
+                                                 split_heads(v, n_kv_heads, head_dim).to(vc.dtype).to(q.dtype),
+                                                 is_causal=True, scale=scale, enable_gqa=n_heads != n_kv_heads)
+        elif self.attn == "rows" and T == 1:
             out = rows_attention(qh, kc, vc, self.mask, scale)
         elif self.attn != "sdpa":  # grouped, and the forwards of more than one query
             out = grouped_attention(qh, kc, vc, self.mask, scale)
         else:
             out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,
                                                  scale=scale, enable_gqa=n_heads != n_kv_heads)
+        return merge_heads(out)
+
+
+    def _attend_kivi(self, layer, q, k, v, n_heads, n_kv_heads, head_dim, scale):
+        spec, bufs = self.cache.specs[layer], self.cache.kivi_buffers(layer)
+        B, T = q.shape[0], q.shape[1]
+        if T == 1:
+            out = torch.ops.llmaccel.static_kivi_decode(
+                q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
+                v.reshape(B, n_kv_heads, head_dim), *bufs, self.pos, scale=scale, **spec)
+            return out.reshape(B, 1, n_heads * head_dim)
+        # The prefill (positions 0 .. T - 1, callers guarantee it): the prompt attends over its
+        # keys and values as the quantized cache holds them, causally.
+        keys, values = static_kivi_prefill(split_heads(k, n_kv_heads, head_dim),
+                                           split_heads(v, n_kv_heads, head_dim), *bufs, spec)
+        out = F.scaled_dot_product_attention(split_heads(q, n_heads, head_dim), keys.to(q.dtype),
+                                             values.to(q.dtype), is_causal=True, scale=scale,
+                                             enable_gqa=n_heads != n_kv_heads)
         return merge_heads(out)
 
 

@@ -120,47 +120,107 @@ if triton is not None:
 
     from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
                                                   _softmax_block, _softmax_init, _softmax_result)
+    from llmaccel.kernels.quant_linear import _int4_words, _interleave8
 
     @triton.jit
-    def _unpack(W, rows, n_ok, BITS: tl.constexpr, DW: tl.constexpr):
-        """Codes (N, DW, 32 / BITS) as fp32 of N token rows of 32-bit words: channel w * (32 /
-        BITS) + i of a row sits in bits [i * BITS, (i + 1) * BITS) of its word w (the byte
-        packing of ops.kvquant read four bytes at a time, little-endian)."""
-        PER: tl.constexpr = 32 // BITS
-        words = tl.load(W + rows[:, None, None] + tl.arange(0, DW)[None, :, None],
-                        mask=n_ok[:, None, None], other=0)
-        shifts = (tl.arange(0, PER) * BITS)[None, None, :]
-        return ((words >> shifts) & ((1 << BITS) - 1)).to(tl.float32)
+    def _crumb(w, SHIFT: tl.constexpr):
+        """The 2-bit field at bit SHIFT (< 22) of each word as an exact fp32 integer: ORed into
+        the mantissa of 2^23 and scaled back by one FMA (exact: one rounding of an integer)."""
+        v = ((w & (3 << SHIFT)) | 0x4B000000).to(tl.float32, bitcast=True)
+        return tl.fma(v, 1.0 / (1 << SHIFT), -8388608.0 / (1 << SHIFT))
 
     @triton.jit
-    def _quantized_block(q, KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, n0, stop, s_pt, s_kg, s_vt,
-                         m_i, l_i, acc, scale, BITS: tl.constexpr, G: tl.constexpr, VG: tl.constexpr,
-                         D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Tokens n0 .. n0 + BLOCK_N - 1 (those below stop; n0 and stop multiples of G) of the
-        store into the online softmax, dequantized as the reference does: code * scale + min in
-        fp32, rounded to the cache's dtype."""
+    def _interleave16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+        """(..., W) x 16 -> (..., W, 2, 2, 2, 2) whose flattening puts c0 .. c15 in order."""
+        return tl.join(_interleave8(c0, c2, c4, c6, c8, c10, c12, c14),
+                       _interleave8(c1, c3, c5, c7, c9, c11, c13, c15))
+
+    @triton.jit
+    def _codes(words, BITS: tl.constexpr):
+        """Codes (N, D) as exact fp32 of token rows of 32-bit words (N, D * BITS / 32): channel
+        w * (32 / BITS) + i sits in bits [i * BITS, (i + 1) * BITS) of word w (ops.kvquant's
+        byte packing read four bytes at a time, little-endian). Each word's codes come out in
+        the thread that loaded it (two ops per code: no shift, no int-to-float conversion, which
+        runs at a quarter rate on the GPU) and are joined in registers."""
+        N: tl.constexpr = words.shape[0]
+        DW: tl.constexpr = words.shape[1]
+        if BITS == 4:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(words, 0.0)
+            return tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (N, DW * 8))
+        hi = words >> 12  # fields 11 .. 15 would reach the exponent bits in place
+        return tl.reshape(_interleave16(
+            _crumb(words, 0), _crumb(words, 2), _crumb(words, 4), _crumb(words, 6), _crumb(words, 8),
+            _crumb(words, 10), _crumb(words, 12), _crumb(words, 14), _crumb(words, 16),
+            _crumb(words, 18), _crumb(words, 20), _crumb(hi, 10), _crumb(hi, 12), _crumb(hi, 14),
+            _crumb(hi, 16), _crumb(hi, 18)), (N, DW * 16))
+
+    @triton.jit
+    def _load_block(KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, n0, stop, s_pt, s_kg, s_vt,
+                    BITS: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """Words, scales and mins of tokens n0 .. n0 + BLOCK_N - 1 of the store (those below
+        stop; n0 and stop multiples of G)."""
         DW: tl.constexpr = D * BITS // 32
         NG: tl.constexpr = BLOCK_N // G
         NVG: tl.constexpr = D // VG
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        rows = offs_n.to(tl.int64) * s_pt
+        rows = (offs_n.to(tl.int64) * s_pt)[:, None] + tl.arange(0, DW)[None, :]
+        kw = tl.load(KPW + kp0 + rows, mask=n_ok[:, None], other=0)
+        vw = tl.load(VPW + kp0 + rows, mask=n_ok[:, None], other=0)
         grp = n0 // G + tl.arange(0, NG)
         g_ok = grp * G < stop
-        offs_d = tl.arange(0, D)
-        kofs = ks0 + grp[:, None].to(tl.int64) * s_kg + offs_d[None, :]
-        ksc = tl.load(KS + kofs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        kmn = tl.load(KM + kofs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        kc = tl.reshape(_unpack(KPW + kp0, rows, n_ok, BITS, DW), (NG, G, D))
-        k = tl.reshape(kc * ksc[:, None, :] + kmn[:, None, :], (BLOCK_N, D))
+        kofs = ks0 + grp[:, None].to(tl.int64) * s_kg + tl.arange(0, D)[None, :]
+        ksc = tl.load(KS + kofs, mask=g_ok[:, None], other=0.0)
+        kmn = tl.load(KM + kofs, mask=g_ok[:, None], other=0.0)
         vofs = vs0 + offs_n[:, None].to(tl.int64) * s_vt + tl.arange(0, NVG)[None, :]
-        vsc = tl.load(VS + vofs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        vmn = tl.load(VM + vofs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        vc = tl.reshape(_unpack(VPW + kp0, rows, n_ok, BITS, DW), (BLOCK_N, NVG, VG))
-        v = tl.reshape(vc * vsc[:, :, None] + vmn[:, :, None], (BLOCK_N, D))
-        k = k.to(KS.dtype.element_ty).to(q.dtype)
-        v = v.to(VS.dtype.element_ty).to(q.dtype)
+        vsc = tl.load(VS + vofs, mask=n_ok[:, None], other=0.0)
+        vmn = tl.load(VM + vofs, mask=n_ok[:, None], other=0.0)
+        return kw, ksc, kmn, vw, vsc, vmn, n_ok
+
+    @triton.jit
+    def _block_softmax(q, kw, ksc, kmn, vw, vsc, vmn, n_ok, m_i, l_i, acc, scale, BITS: tl.constexpr,
+                       G: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IEEE: tl.constexpr):
+        """A loaded block into the online softmax, dequantized as the reference does: code *
+        scale + min in fp32, rounded to the cache's dtype."""
+        NG: tl.constexpr = BLOCK_N // G
+        NVG: tl.constexpr = D // VG
+        kc = tl.reshape(_codes(kw, BITS), (NG, G, D))
+        k = tl.reshape(kc * ksc.to(tl.float32)[:, None, :] + kmn.to(tl.float32)[:, None, :], (BLOCK_N, D))
+        vc = tl.reshape(_codes(vw, BITS), (BLOCK_N, NVG, VG))
+        v = tl.reshape(vc * vsc.to(tl.float32)[:, :, None] + vmn.to(tl.float32)[:, :, None], (BLOCK_N, D))
+        k = k.to(ksc.dtype).to(q.dtype)
+        v = v.to(vsc.dtype).to(q.dtype)
         return _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
+
+    @triton.jit
+    def _quantized_tokens(q, KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, start, stop, s_pt, s_kg, s_vt,
+                          m_i, l_i, acc, scale, BITS: tl.constexpr, G: tl.constexpr, VG: tl.constexpr,
+                          D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                          PREFETCH: tl.constexpr):
+        """Tokens start .. stop - 1 of the store into the online softmax, BLOCK_N at a time.
+        PREFETCH: the next block is loaded before the current one is computed (twice the bytes
+        in flight per program; the loads feed no dot directly, so Triton's pipeliner leaves
+        them alone)."""
+        if PREFETCH:
+            cur = _load_block(KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, start, stop, s_pt, s_kg, s_vt,
+                              BITS, G, VG, D, BLOCK_N)
+            for n0 in range(start, stop, BLOCK_N):
+                nxt = _load_block(KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, n0 + BLOCK_N, stop, s_pt,
+                                  s_kg, s_vt, BITS, G, VG, D, BLOCK_N)
+                kw, ksc, kmn, vw, vsc, vmn, n_ok = cur
+                m_i, l_i, acc = _block_softmax(q, kw, ksc, kmn, vw, vsc, vmn, n_ok, m_i, l_i, acc, scale,
+                                               BITS, G, VG, D, BLOCK_N, IEEE)
+                cur = nxt
+        else:
+            for n0 in range(start, stop, BLOCK_N):
+                kw, ksc, kmn, vw, vsc, vmn, n_ok = _load_block(KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0,
+                                                               n0, stop, s_pt, s_kg, s_vt, BITS, G, VG,
+                                                               D, BLOCK_N)
+                m_i, l_i, acc = _block_softmax(q, kw, ksc, kmn, vw, vsc, vmn, n_ok, m_i, l_i, acc, scale,
+                                               BITS, G, VG, D, BLOCK_N, IEEE)
+        return m_i, l_i, acc
 
     @triton.jit
     def _minmax(x, axis0: tl.constexpr, axis1: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr):
@@ -229,7 +289,7 @@ if triton is not None:
                             BITS: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, R: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_R: tl.constexpr,
-                            IEEE: tl.constexpr, PDL: tl.constexpr):
+                            IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -248,10 +308,9 @@ if triton is not None:
         if sp < n_splits:  # a split of the groups quantized before this step
             start = sp * split_len
             stop = tl.minimum(start + split_len, nq0)
-            for n0 in range(start, stop, BLOCK_N):
-                m_i, l_i, acc = _quantized_block(q, KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, n0, stop,
-                                                 sw_t, sks_g, svs_t, m_i, l_i, acc, scale,
-                                                 BITS, G, VG, D, BLOCK_N, IEEE)
+            m_i, l_i, acc = _quantized_tokens(q, KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, start, stop,
+                                              sw_t, sks_g, svs_t, m_i, l_i, acc, scale,
+                                              BITS, G, VG, D, BLOCK_N, IEEE, PREFETCH)
         else:  # the new token, a group that ages with it, and the full-precision tokens
             kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d)
             vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d)
@@ -264,9 +323,9 @@ if triton is not None:
                 _age_group(KP, KS, KM, VP, VS, VM, KR, VR, p0, ks0, vs0, kr0, nq0, ring,
                            sp_t, sks_g, svs_t, sr_t, BITS, G, VG, D)
                 tl.debug_barrier()
-                m_i, l_i, acc = _quantized_block(q, KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, nq0, nq,
-                                                 sw_t, sks_g, svs_t, m_i, l_i, acc, scale,
-                                                 BITS, G, VG, D, BLOCK_A, IEEE)
+                m_i, l_i, acc = _quantized_tokens(q, KPW, KS, KM, VPW, VS, VM, kp0, ks0, vs0, nq0, nq,
+                                                  sw_t, sks_g, svs_t, m_i, l_i, acc, scale,
+                                                  BITS, G, VG, D, BLOCK_A, IEEE, False)
             for n0 in range(nq, P + 1, BLOCK_R):
                 offs_n = n0 + tl.arange(0, BLOCK_R)
                 n_ok = offs_n <= P
@@ -292,9 +351,9 @@ def kivi_splits(batch: int, n_kv: int, stored: int, block_n: int, programs: int)
 
 
 def static_kivi_triton(q, k, v, kp, ks, km, vp, vs, vm, kr, vr, pos, *, scale: float, bits: int,
-                       group: int, value_group: int, residual: int, block_n: int = 64,
-                       num_splits: int | None = None, programs_per_sm: int = 8,
-                       num_warps: int = 4) -> torch.Tensor:
+                       group: int, value_group: int, residual: int, block_n: int = 128,
+                       num_splits: int | None = None, programs_per_sm: int = 4,
+                       num_warps: int = 4, prefetch: bool = True) -> torch.Tensor:
     B, H, D = q.shape
     Hkv, Sq = kp.shape[1], kp.shape[2]
     want = cache_shapes(B, Hkv, D, Sq + group - 1, _spec(bits, group, value_group, residual))
@@ -331,7 +390,8 @@ def static_kivi_triton(q, k, v, kp, ks, km, vp, vs, vm, kr, vr, pos, *, scale: f
         BITS=bits, G=group, VG=value_group, R=residual, GROUP=gq,
         BLOCK_G=max(16, triton.next_power_of_2(gq)), D=D, BLOCK_N=block_n,
         BLOCK_A=max(group, 16), BLOCK_R=32,  # the ageing group as one block: dots take 16+ rows
-        IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=num_warps, **extra)
+        IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=prefetch, num_warps=num_warps,
+        **extra)
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     _paged_decode_reduce_kernel[(B, H)](
         mid_o, mid_lse, out, n + 1, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

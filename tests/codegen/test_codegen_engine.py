@@ -97,13 +97,7 @@ def test_engine_rejects_bad_shapes():
         DecodeEngine(load("preset:tiny-llama"), 1, 16, linear="gemm")
 
 
-def test_quantized_kv_graph_is_refused_and_int4_lowers():
-    from llmaccel.errors import LlmaccelError
-
-    m = compile("preset:tiny-llama", ["kvquant"], {"kvquant": {"residual": "16", "group": "16"}},
-                progress=False, eval_tokens=0)
-    with pytest.raises(LlmaccelError, match="plain attention"):
-        DecodeEngine(m, 1, 16, compile=False)
+def test_int4_lowers():
     m = compile("preset:tiny-llama", ["fuse", "quant"],
                 {"quant": {"bits": "4", "group_size": "32", "method": "rtn"}}, progress=False,
                 eval_tokens=0)
@@ -113,6 +107,63 @@ def test_quantized_kv_graph_is_refused_and_int4_lowers():
         assert eng.report.cpu_traced == {"linear_int4": 4 * m.config.n_layers}  # qkv, o, gate_up, down
     ids = torch.randint(0, 512, (2, 9))
     _close(_stepwise(eng, ids, 5), m.logits(ids))
+
+
+def _kivi_tiny(bits="2"):
+    # groups of 8 tokens past a residual of 8: a 20-token sequence ages a group at several steps
+    return compile("preset:tiny-llama", ["fuse", "kvquant"],
+                   {"kvquant": {"bits": bits, "group": "8", "residual": "8"}}, progress=False, eval_tokens=0)
+
+
+def _reference_stepwise(m, ids, split):
+    ctx = executor.make_cache(m.gm, ids.shape[0], ids.shape[1], torch.float32)
+    out = [executor.forward(m.gm, ids[:, :split], 0, ctx)]
+    out += [executor.forward(m.gm, ids[:, t:t + 1], t, ctx) for t in range(split, ids.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("bits,attn,backend", [("2", "rows", None), ("4", "fused", None),
+                                               ("2", "auto", "aot_eager")])
+def test_kivi_static_cache_matches_the_quantized_reference(bits, attn, backend):
+    """A `kvquant` graph decodes on the static path with a KIVI cache that reads and writes as
+    the reference QuantizedKVCache: same logits at every step (fp32), the prefill included."""
+    torch._dynamo.reset()
+    m = _kivi_tiny(bits)
+    ids = torch.randint(0, 512, (2, 23))
+    eng = DecodeEngine(m, 2, 32, compile=backend is not None, backend=backend or "inductor", attn=attn)
+    assert set(eng.cache.specs) == set(range(m.config.n_layers))
+    assert not hasattr(eng.cache, "k0")  # no full-precision buffers for quantized layers
+    _close(_stepwise(eng, ids, 5), _reference_stepwise(m, ids, 5))
+
+
+def test_kivi_static_greedy_text_identical_to_reference():
+    torch._dynamo.reset()
+    m = _kivi_tiny()
+    prompts = torch.randint(0, 512, (2, 11))
+    eng = DecodeEngine(m, 2, 48, compile=True, backend="aot_eager")
+    got = eng.generate(prompts, 30)
+    again = eng.generate(prompts, 30)  # the cache is reused without clearing
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for b in range(2):
+        want = list(executor.generate_ids(m.gm, prompts[b].tolist(), params, eos_ids=set(),
+                                          max_len=512, dtype=torch.float32))
+        assert got[b].tolist() == want
+        assert again[b].tolist() == want
+
+
+def test_kivi_static_cache_refuses_what_it_cannot_do():
+    from llmaccel.codegen.speculative import SpeculativeDecoder
+    from llmaccel.errors import LlmaccelError
+
+    m = _kivi_tiny()
+    eng = DecodeEngine(m, 1, 32, compile=False)
+    with pytest.raises(LlmaccelError, match="position 0"):
+        eng.logits(torch.zeros(1, 3, dtype=torch.long), 4)
+    with pytest.raises(LlmaccelError, match="full-precision KV"):
+        SpeculativeDecoder(eng, "ngram")
+    sla = compile("preset:tiny-llama", ["sla"], progress=False, eval_tokens=0)
+    with pytest.raises(LlmaccelError, match="softmax attention only"):
+        DecodeEngine(sla, 1, 16, compile=False)
 
 
 def test_norm_folds_into_the_rows_gemv():
