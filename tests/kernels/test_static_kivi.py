@@ -86,8 +86,9 @@ def test_reference_follows_the_quantized_cache(bits, group, residual, D):
 @pytest.mark.parametrize("bits,group,residual,D,H,Hkv", [(2, 16, 32, 64, 8, 2), (4, 8, 16, 32, 3, 1),
                                                          (2, 16, 0, 32, 4, 4)])
 @pytest.mark.parametrize("where", ["empty", "before", "ages", "after", "full"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_interpreter(bits, group, residual, D, H, Hkv, where, dtype):
+@pytest.mark.parametrize("dtype,prefetch", [(torch.float32, True), (torch.float16, True),
+                                            (torch.float32, False)])
+def test_kernel_interpreter(bits, group, residual, D, H, Hkv, where, dtype, prefetch):
     spec = make_spec(bits, group, residual, D)
     max_len = 96
     ages = residual + 2 * group - 1  # token pos = ages makes the second group age
@@ -95,7 +96,8 @@ def test_kernel_interpreter(bits, group, residual, D, H, Hkv, where, dtype):
     cache, q, k, v, pos = filled(2, H, Hkv, D, P, spec, dtype, max_len)
     mine = [t.clone() for t in cache]
     ref = sk.static_kivi_decode_ref(q, k, v, *cache, pos, **kw(spec, 0.3))
-    out = sk.static_kivi_triton(q, k, v, *mine, pos, **kw(spec, 0.3), block_n=32, num_splits=2)
+    out = sk.static_kivi_triton(q, k, v, *mine, pos, **kw(spec, 0.3), block_n=32, num_splits=2,
+                                prefetch=prefetch)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * max(1.0, ref.float().abs().max().item()), err
