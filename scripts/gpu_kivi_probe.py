@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4224, help="position of the decoded token")
     ap.add_argument("--heads", default="32,8,64")
-    ap.add_argument("--configs", default="", help="block_n:programs_per_sm:warps:prefetch,...")
+    ap.add_argument("--configs", default="", help="block_n:programs_per_sm:warps:prefetch:early,...")
     ap.add_argument("--out")
     a = ap.parse_args()
     H, Hkv, D = (int(x) for x in a.heads.split(","))
@@ -59,17 +60,21 @@ def main() -> None:
     kw = dict(scale=D ** -0.5, bits=2, group=16, value_group=spec["value_group"], residual=128)
     ref = sk.static_kivi_decode_ref(q, k, v, *[t.clone() for t in cache], pos, **kw)
     kbytes = B * bytes_per_token(spec, Hkv, D) * (P + 1)
-    configs = [dict(block_n=b, programs_per_sm=p, num_warps=w, prefetch=f)
-               for b, p, w, f in [(128, 4, 4, True), (128, 4, 4, False), (64, 4, 4, True), (64, 8, 4, True),
-                                  (128, 8, 4, True), (128, 2, 4, True), (128, 4, 8, True), (64, 16, 2, True)]]
+    base = dict(block_n=128, programs_per_sm=4, num_warps=4, prefetch=True, early=False, reduce_warps=1)
+    configs = [dict(base, early=True, reduce_warps=4), base, dict(base, prefetch=False),
+               dict(base, pdl=False), dict(base, programs_per_sm=8), dict(base, programs_per_sm=8, prefetch=False),
+               dict(base, block_n=64, programs_per_sm=8), dict(base, programs_per_sm=2),
+               dict(base, block_n=64, programs_per_sm=16, num_warps=2)]
     if a.configs:
-        configs = [dict(zip(("block_n", "programs_per_sm", "num_warps", "prefetch"),
-                            (int(x) for x in c.split(":")))) for c in a.configs.split(",")]
+        keys = ("block_n", "programs_per_sm", "num_warps", "prefetch", "early")
+        configs = [dict(base, **dict(zip(keys, (int(x) for x in c.split(":"))))) for c in a.configs.split(",")]
     for cfg in configs:
+        run = {k: v for k, v in cfg.items() if k != "pdl"}
+        os.environ["LLMACCEL_PDL"] = "0" if cfg.get("pdl") is False else "1"
         try:
-            out = sk.static_kivi_triton(q, k, v, *cache, pos, **kw, **cfg)
+            out = sk.static_kivi_triton(q, k, v, *cache, pos, **kw, **run)
             err = (out.float() - ref.float()).abs().max().item()
-            us = cuda_time_us(lambda: sk.static_kivi_triton(q, k, v, *cache, pos, **kw, **cfg))
+            us = cuda_time_us(lambda: sk.static_kivi_triton(q, k, v, *cache, pos, **kw, **run))
             rows.append({"kernel": "static KIVI 2-bit", **cfg, "us": us, "bytes": kbytes,
                          "tb_s": kbytes / us / 1e6, "max_err": err})
         except Exception as e:  # a configuration that does not compile is reported, not fatal
@@ -78,11 +83,12 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({"batch": B, "ctx": P, "heads": [H, Hkv, D], "rows": rows}, indent=1))
     print(f"decode attention per layer, batch {B}, position {P}, heads {H}/{Hkv}x{D} (bf16)")
     for r in rows:
-        cfg = ", ".join(f"{k}={r[k]}" for k in ("splits", "block_n", "programs_per_sm", "num_warps", "prefetch") if k in r)
+        cfg = ", ".join(f"{k}={r[k]}" for k in ("splits", "block_n", "programs_per_sm", "num_warps", "prefetch", "early",
+                                             "reduce_warps", "pdl") if k in r)
         if "error" in r:
-            print(f"  {r['kernel']:<18} {cfg:<40} ERROR {r['error'][:120]}")
+            print(f"  {r['kernel']:<18} {cfg:<60} ERROR {r['error'][:120]}")
         else:
-            print(f"  {r['kernel']:<18} {cfg:<40} {r['us']:8.1f} us  {r['bytes'] / 1e6:7.1f} MB  "
+            print(f"  {r['kernel']:<18} {cfg:<60} {r['us']:8.1f} us  {r['bytes'] / 1e6:7.1f} MB  "
                   f"{r['tb_s']:5.2f} TB/s" + (f"  err {r['max_err']:.1e}" if "max_err" in r else ""))
 
 

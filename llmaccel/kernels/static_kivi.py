@@ -289,12 +289,14 @@ if triton is not None:
                             BITS: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, R: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_R: tl.constexpr,
-                            IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                            IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                            EARLY: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         if PDL:  # launched early behind the kernel that makes q, k, v: wait for it
-            _tl_cuda.gdc_launch_dependents()
+            if EARLY:
+                _tl_cuda.gdc_launch_dependents()
             _tl_cuda.gdc_wait()
         P = tl.load(POS).to(tl.int32)
         nq0 = G * (tl.maximum(P - R, 0) // G)      # quantized before this token
@@ -333,6 +335,10 @@ if triton is not None:
                 k = tl.load(KR + ptr, mask=n_ok[:, None], other=0.0).to(q.dtype)
                 v = tl.load(VR + ptr, mask=n_ok[:, None], other=0.0).to(q.dtype)
                 m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
+        if PDL and not EARLY:
+            # The merge is launched only now: launched at the start, its programs would wait on
+            # the SMs, holding registers that later waves of this grid need.
+            _tl_cuda.gdc_launch_dependents()
         acc, lse = _softmax_result(acc, l_i, m_i)
         tl.store(MID_O + b * smo_s + heads[:, None] * smo_h + sp * smo_p + offs_d[None, :], acc,
                  mask=g_ok[:, None])
@@ -353,7 +359,8 @@ def kivi_splits(batch: int, n_kv: int, stored: int, block_n: int, programs: int)
 def static_kivi_triton(q, k, v, kp, ks, km, vp, vs, vm, kr, vr, pos, *, scale: float, bits: int,
                        group: int, value_group: int, residual: int, block_n: int = 128,
                        num_splits: int | None = None, programs_per_sm: int = 4,
-                       num_warps: int = 4, prefetch: bool = True) -> torch.Tensor:
+                       num_warps: int = 4, prefetch: bool = True,
+                       early: bool = False, reduce_warps: int = 1) -> torch.Tensor:
     B, H, D = q.shape
     Hkv, Sq = kp.shape[1], kp.shape[2]
     want = cache_shapes(B, Hkv, D, Sq + group - 1, _spec(bits, group, value_group, residual))
@@ -390,13 +397,13 @@ def static_kivi_triton(q, k, v, kp, ks, km, vp, vs, vm, kr, vr, pos, *, scale: f
         BITS=bits, G=group, VG=value_group, R=residual, GROUP=gq,
         BLOCK_G=max(16, triton.next_power_of_2(gq)), D=D, BLOCK_N=block_n,
         BLOCK_A=max(group, 16), BLOCK_R=32,  # the ageing group as one block: dots take 16+ rows
-        IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=prefetch, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=prefetch, EARLY=early, num_warps=num_warps,
         **extra)
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     _paged_decode_reduce_kernel[(B, H)](
         mid_o, mid_lse, out, n + 1, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=D, BLOCK_P=triton.next_power_of_2(n + 1), PDL=pdl, **extra)
+        D=D, BLOCK_D=D, BLOCK_P=triton.next_power_of_2(n + 1), PDL=pdl, num_warps=reduce_warps, **extra)
     return out
 
 
