@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_quant_bench import time_graph  # noqa: E402
 
 SHAPES = {"smollm2-135m": (1, 9, 3, 64, 30), "llama-1b": (1, 32, 8, 64, 16),
-          "llama-1b-bs64": (64, 32, 8, 64, 16)}
+          "llama-1b-bs64": (64, 32, 8, 64, 16), "llama2-7b": (1, 32, 32, 128, 32)}
 
 
 def time_case(B, H, Hkv, D, L, S, pos, rope, **kw) -> float:
@@ -47,9 +47,11 @@ def main():
     ap.add_argument("--out", default="attn_probe.json")
     ap.add_argument("--S", type=int, default=384)
     ap.add_argument("--pos", type=int, default=256)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     a = ap.parse_args()
+    shapes = {n: SHAPES[n] for n in a.shapes.split(",")}
     rows = []
-    for name, (B, H, Hkv, D, L) in SHAPES.items():
+    for name, (B, H, Hkv, D, L) in shapes.items():
         for bn, nw, sp, rope in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 6), (False, True)):
             if (rope and ((bn, nw) != (64, 4) or sp == 6)) or (nw == 8 and bn != 128):
                 continue
@@ -60,7 +62,7 @@ def main():
                 print(name, bn, nw, sp, rope, type(e).__name__, str(e)[:100])
             rows.append(dict(shape=name, block_n=bn, num_warps=nw, splits=sp, rope=rope, us=us))
     json.dump(rows, open(a.out, "w"), indent=1)
-    for name in SHAPES:
+    for name in shapes:
         got = sorted((r for r in rows if r["shape"] == name and r["us"]), key=lambda r: r["us"])
         base = next(r for r in rows if r["shape"] == name and (r["block_n"], r["num_warps"], r["splits"],
                                                                 r["rope"]) == (64, 4, 1, False))
