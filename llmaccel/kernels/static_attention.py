@@ -174,7 +174,7 @@ def static_splits(batch: int, n_kv: int, max_len: int, num_sms: int = 132) -> in
 
 def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None,
                          num_splits: int | None = None, block_n: int | None = None,
-                         num_warps: int | None = None) -> torch.Tensor:
+                         num_warps: int = 4) -> torch.Tensor:
     q, k, v = split_qkv(q, k, v, k_cache)
     B, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -192,10 +192,7 @@ def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None,
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # fused-qkv views read in place
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    # Wide heads (128 channels, llama2-7b) take 128 slots per step with 8 warps: 5.0 us per layer
-    # against 6.4 with 32 slots and 4 warps (H200, scripts/gpu_attn_probe.py, 384 slots at 256).
-    BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 128)
-    num_warps = num_warps or (4 if BLOCK_D <= 64 else 8)
+    BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
     n = num_splits or static_splits(B, Hkv, S)
     split_len = cdiv(cdiv(S, n), BLOCK_N) * BLOCK_N
     n = cdiv(S, split_len)
