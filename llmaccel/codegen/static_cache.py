@@ -30,8 +30,9 @@ import torch.nn.functional as F
 import llmaccel.kernels.kivi  # noqa: F401  (registers llmaccel::kivi_quantize_*, used by the prefill)
 import llmaccel.kernels.static_attention  # noqa: F401  (registers llmaccel::static_decode_attention)
 from llmaccel import ops
-from llmaccel.kernels.static_kivi import CACHE_NAMES, cache_shapes, static_kivi_prefill
 from llmaccel.codegen.lower import _retarget, attention_layers, rope_table
+from llmaccel.errors import LlmaccelError
+from llmaccel.kernels.static_kivi import CACHE_NAMES, cache_shapes, static_kivi_prefill, triton_supports
 from llmaccel.ops.attention import merge_heads, split_heads
 
 ATTN_IMPLS = ("sdpa", "grouped", "fused", "rows")
@@ -48,6 +49,10 @@ class StaticKVCache(nn.Module):
         self.specs = dict(specs or {})
         for i, (n_kv, hd) in layers.items():
             if i in self.specs:
+                if torch.device(device).type == "cuda" and not triton_supports(hd, self.specs[i]):
+                    raise LlmaccelError(f"layer {i}: the static KIVI cache on CUDA needs a power-of-two "
+                                        f"head_dim >= 16 and power-of-two groups (head_dim {hd}, "
+                                        f"kv_quant {self.specs[i]}); use the runtime")
                 shapes = cache_shapes(batch, n_kv, hd, max_len, self.specs[i])
                 bufs = {n: torch.zeros(shapes[n], device=device,
                                        dtype=torch.uint8 if n in ("kp", "vp") else dtype)

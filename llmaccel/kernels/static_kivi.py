@@ -349,6 +349,12 @@ def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
+def triton_supports(head_dim: int, spec: dict) -> bool:
+    """Whether the Triton kernel takes a layer of this head_dim and KIVI spec."""
+    return (_pow2(head_dim) and head_dim >= 16 and _pow2(spec["group"]) and _pow2(spec["value_group"])
+            and head_dim * spec["bits"] % 32 == 0)
+
+
 def kivi_splits(batch: int, n_kv: int, stored: int, block_n: int, programs: int) -> int:
     """Splits of the quantized store: about `programs` programs over the GPU, none shorter than
     one block; the merge holds every split of a head (and the ring's) in one tile."""
@@ -369,7 +375,7 @@ def static_kivi_triton(q, k, v, kp, ks, km, vp, vs, vm, kr, vr, pos, *, scale: f
             any(tuple(got[n].shape) != want[n] for n in CACHE_NAMES):
         raise ValueError(f"static KIVI attention: q {tuple(q.shape)}, k {tuple(k.shape)} and the "
                          f"cache ({', '.join(f'{n} {tuple(t.shape)}' for n, t in got.items())}) disagree")
-    if not (_pow2(D) and D >= 16 and _pow2(group) and _pow2(value_group) and D * bits % 32 == 0):
+    if not triton_supports(D, _spec(bits, group, value_group, residual)):
         raise ValueError(f"static KIVI attention: the Triton path needs power-of-two head_dim >= 16 "
                          f"(got {D}) and groups (got {group}, {value_group})")
     if not all(t.is_contiguous() for t in got.values()):

@@ -161,6 +161,11 @@ def test_kivi_static_cache_refuses_what_it_cannot_do():
         eng.logits(torch.zeros(1, 3, dtype=torch.long), 4)
     with pytest.raises(LlmaccelError, match="full-precision KV"):
         SpeculativeDecoder(eng, "ngram")
+    from llmaccel.codegen.static_cache import StaticKVCache
+    from llmaccel.ops.kvquant import make_spec
+
+    with pytest.raises(LlmaccelError, match="power-of-two head_dim"):  # refused before any allocation
+        StaticKVCache({0: (2, 48)}, 1, 64, torch.bfloat16, "cuda", {0: make_spec(2, 16, 32, 48)})
     sla = compile("preset:tiny-llama", ["sla"], progress=False, eval_tokens=0)
     with pytest.raises(LlmaccelError, match="softmax attention only"):
         DecodeEngine(sla, 1, 16, compile=False)
