@@ -132,6 +132,8 @@ def _out_width(op, x, n, bias, residual, glu) -> int:
 if triton is not None:
     from triton.language.extra import cuda as _tl_cuda
 
+    from llmaccel.kernels.quant_linear import _int4_tile, _x8
+
     @triton.jit
     def _gemv_kernel(X, W, BIAS, R, O, N_OUT, K, s_x, s_w, s_r, s_o, eps,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
@@ -227,19 +229,6 @@ if triton is not None:
             _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
 
     @triton.jit
-    def _int4_tile(W, S, Z, rows, n_ok, g, g_ok, G, ZB, GS: tl.constexpr):
-        """Words (rows, groups, GS / 8), scales and zero points (rows, groups) of a tile."""
-        rw = tl.arange(0, GS // 8)
-        r64 = rows.to(tl.int64)
-        nm = n_ok[:, None] & g_ok[None, :]
-        w = tl.load(W + r64[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
-                    + rw[None, None, :], mask=nm[:, :, None], other=0)
-        s = tl.load(S + r64[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
-        zb = tl.load(Z + r64[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
-        z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-        return w, s, z
-
-    @triton.jit
     def _codes8(w, z):
         """The 8 codes of each int32 word (column 8j + i in nibble i) minus z, as exact fp32:
         the magic exponent of 2^23 is ORed in once per word for nibbles 0-4 and once for 5-7
@@ -265,21 +254,6 @@ if triton is not None:
         t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
             + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
         return tl.sum(tl.sum(s[:, :, None] * t, 2), 1)
-
-    @triton.jit
-    def _x8(xrow, g, g_ok, K, GS: tl.constexpr):
-        """x's columns of a tile's groups split by nibble (see _int4_dot), fp32, zero past K."""
-        xk = g[:, None] * GS + 8 * tl.arange(0, GS // 8)[None, :]
-        xm = g_ok[:, None]
-        x0 = tl.load(xrow + xk, mask=xm & (xk < K), other=0.0).to(tl.float32)
-        x1 = tl.load(xrow + xk + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
-        x2 = tl.load(xrow + xk + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
-        x3 = tl.load(xrow + xk + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
-        x4 = tl.load(xrow + xk + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
-        x5 = tl.load(xrow + xk + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
-        x6 = tl.load(xrow + xk + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
-        x7 = tl.load(xrow + xk + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
-        return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
     def _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7):
@@ -320,10 +294,10 @@ if triton is not None:
             g_ok = rg < G
             rn = pid * BLOCK_N + ar
             n_ok = rn < N_OUT
-            w, s, z = _int4_tile(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, GS)
+            w, s, z = _int4_tile(W, S, Z, rn.to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
             wu, su, zu = w, s, z
             if GLU:
-                wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, rg, g_ok, G, ZB, GS)
+                wu, su, zu = _int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
             if PDL:
                 _tl_cuda.gdc_launch_dependents()
                 _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
@@ -336,11 +310,11 @@ if triton is not None:
                 n_ok = rn < N_OUT
                 rn2 = rn + P * BLOCK_N  # the next tile of this program (masked past the end)
                 ok2 = rn2 < N_OUT
-                w2, s2, z2 = _int4_tile(W, S, Z, rn2, ok2, rg, g_ok, G, ZB, GS)
+                w2, s2, z2 = _int4_tile(W, S, Z, rn2.to(tl.int64), ok2, rg, g_ok, G, ZB, GS)
                 y = _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7) * r
                 u = y
                 if GLU:
-                    wu2, su2, zu2 = _int4_tile(W, S, Z, rn2 + N_OUT, ok2, rg, g_ok, G, ZB, GS)
+                    wu2, su2, zu2 = _int4_tile(W, S, Z, (rn2 + N_OUT).to(tl.int64), ok2, rg, g_ok, G, ZB, GS)
                     u = _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7) * r
                     wu, su, zu = wu2, su2, zu2
                 _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
@@ -366,10 +340,10 @@ if triton is not None:
                     g = g0 + rg
                     g_ok = g < G
                     x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g_ok, K, GS)
-                    w, s, z = _int4_tile(W, S, Z, rn, n_ok, g, g_ok, G, ZB, GS)
+                    w, s, z = _int4_tile(W, S, Z, rn.to(tl.int64), n_ok, g, g_ok, G, ZB, GS)
                     y += _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
                     if GLU:
-                        wu, su, zu = _int4_tile(W, S, Z, rn + N_OUT, n_ok, g, g_ok, G, ZB, GS)
+                        wu, su, zu = _int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, g, g_ok, G, ZB, GS)
                         u += _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
                 _gemv_out(y * r, u * r, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS,
                           HAS_RES, GLU)

@@ -78,18 +78,42 @@ if triton is not None:
                        tl.join(tl.join(n1, n5), tl.join(n3, n7)))
 
     @triton.jit
+    def _int4_tile(W, S, Z, rows, n_ok, g, g_ok, G, ZB, GS: tl.constexpr):
+        """Words (rows, groups, GS / 8), scales and zero points (rows, groups) of a tile of the
+        MatMulNBits layout (rows in the index type the caller's sizes need)."""
+        rw = tl.arange(0, GS // 8)
+        nm = n_ok[:, None] & g_ok[None, :]
+        w = tl.load(W + rows[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
+                    + rw[None, None, :], mask=nm[:, :, None], other=0)
+        s = tl.load(S + rows[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
+        zb = tl.load(Z + rows[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
+        z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+        return w, s, z
+
+    @triton.jit
+    def _x8(xrow, g, g_ok, K, GS: tl.constexpr):
+        """x's columns of a tile's groups split by nibble: x_i holds column 8j + i (next to
+        nibble i of word j), (groups, GS / 8), fp32, zero past K."""
+        xk = g[:, None] * GS + 8 * tl.arange(0, GS // 8)[None, :]
+        xm = g_ok[:, None]
+        x0 = tl.load(xrow + xk, mask=xm & (xk < K), other=0.0).to(tl.float32)
+        x1 = tl.load(xrow + xk + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
+        x2 = tl.load(xrow + xk + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
+        x3 = tl.load(xrow + xk + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
+        x4 = tl.load(xrow + xk + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
+        x5 = tl.load(xrow + xk + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
+        x6 = tl.load(xrow + xk + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
+        x7 = tl.load(xrow + xk + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
     def _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB, stride_xm, rn, n_ok,
-                        rg, rw, rc, rm, GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        rg, rc, rm, GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr, UNPACK: tl.constexpr):
         """One K step of _int4_gemv_kernel: groups g0 .. g0 + BLOCK_G of rows rn."""
         g = g0 + rg
         g_ok = g < G
-        nm = n_ok[:, None] & g_ok[None, :]
-        w = tl.load(w_ptr + rn[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
-                    + rw[None, None, :], mask=nm[:, :, None], other=0)
-        s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
-        z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+        w, s, z = _int4_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, g, g_ok, G, ZB, GS)
         if UNPACK == 2:
             n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, z[:, :, None])
         else:
@@ -107,17 +131,7 @@ if triton is not None:
                 d = tl.sum(q * xv[None, :, :], axis=2)
                 xs = tl.sum(xv, axis=1)
             else:  # x columns 8j + i read with stride 8 next to nibble i of word j
-                xk = g[:, None] * GS + 8 * rw[None, :]
-                xp = x_ptr + m * stride_xm + xk
-                xm = g_ok[:, None] & (xk < K)
-                x0 = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-                x1 = tl.load(xp + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
-                x2 = tl.load(xp + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
-                x3 = tl.load(xp + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
-                x4 = tl.load(xp + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
-                x5 = tl.load(xp + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
-                x6 = tl.load(xp + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
-                x7 = tl.load(xp + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + m * stride_xm, g, g_ok, K, GS)
                 t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
                     + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
                 if UNPACK == 1:
@@ -149,7 +163,6 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         rg = tl.arange(0, BLOCK_G)
-        rw = tl.arange(0, GS // 8)
         rc = tl.arange(0, GS)
         rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -158,12 +171,12 @@ if triton is not None:
         if STAGES > 1:
             for g0 in tl.range(g_lo, g_lo + GPS, BLOCK_G, num_stages=STAGES):
                 acc, acc3 = _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB,
-                                            stride_xm, rn, n_ok, rg, rw, rc, rm, GS, ROWS, BLOCK_N,
+                                            stride_xm, rn, n_ok, rg, rc, rm, GS, ROWS, BLOCK_N,
                                             BLOCK_G, EVEN_K, UNPACK)
         else:
             for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
                 acc, acc3 = _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB,
-                                            stride_xm, rn, n_ok, rg, rw, rc, rm, GS, ROWS, BLOCK_N,
+                                            stride_xm, rn, n_ok, rg, rc, rm, GS, ROWS, BLOCK_N,
                                             BLOCK_G, EVEN_K, UNPACK)
         if UNPACK == 2:
             acc += tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
@@ -217,19 +230,13 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < M, rn < N
         rg = tl.arange(0, BLOCK_G)
-        rw = tl.arange(0, GS // 8)
         rk = tl.arange(0, BLOCK_G * GS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         g_lo = pid_k * GPS
         for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
             g = g0 + rg
             g_ok = g < G
-            nm = n_ok[:, None] & g_ok[None, :]
-            w = tl.load(w_ptr + rn[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
-                        + rw[None, None, :], mask=nm[:, :, None], other=0)
-            s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
-            zb = tl.load(z_ptr + rn[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
-            z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+            w, s, z = _int4_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, g, g_ok, G, ZB, GS)
             n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, 0.0)
             q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
             # rounded to x's dtype as the reference's dequantize_int4 does
