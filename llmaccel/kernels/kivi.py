@@ -32,6 +32,24 @@ def _pow2(x: int) -> bool:
 
 if HAS_TRITON:
     @triton.jit
+    def _scale_min(mn, mx, QMAX: tl.constexpr, SDT: tl.constexpr):
+        """Asymmetric scale and min of the range [mn, mx] rounded to the cache's dtype SDT, and
+        the reciprocal of the rounded scale (0 where the range is empty): codes are taken from
+        the stored values, as the reference takes them."""
+        scale = tl.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(SDT)
+        mn = mn.to(SDT)
+        s32 = scale.to(tl.float32)
+        inv = tl.where(s32 > 0, tl.div_rn(s32 * 0.0 + 1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
+        return scale, mn, inv
+
+    @triton.jit
+    def _packed(x, mn, inv, shifts, AXIS: tl.constexpr, QMAX: tl.constexpr):
+        """The codes of x (mn and inv broadcast to it) as bytes: those along AXIS ORed together
+        at their shifts."""
+        code = tl.minimum(tl.maximum(tl.floor((x - mn.to(tl.float32)) * inv + 0.5), 0.0), QMAX)
+        return tl.sum(code.to(tl.int32) << shifts, axis=AXIS).to(tl.uint8)
+
+    @triton.jit
     def _quantize_keys_kernel(x_ptr, p_ptr, s_ptr, m_ptr, sx_n, sx_t, sp_n, sp_t, ss_n, ss_g,
                               BITS: tl.constexpr, G: tl.constexpr, DP: tl.constexpr):
         # One program: G tokens x D channels of one (sequence, head); min/max per channel.
@@ -42,18 +60,11 @@ if HAS_TRITON:
         j = tl.arange(0, DP)[None, :, None]
         i = tl.arange(0, PER)[None, None, :]
         x = tl.load(x_ptr + n * sx_n + t * sx_t + j * PER + i).to(tl.float32)  # (G, DP, PER)
-        mn = tl.min(x, axis=0)
-        span = tl.max(x, axis=0) - mn
-        scale = tl.div_rn(span, tl.full(span.shape, QMAX, tl.float32)).to(s_ptr.dtype.element_ty)
-        mn = mn.to(m_ptr.dtype.element_ty)
+        scale, mn, inv = _scale_min(tl.min(x, axis=0), tl.max(x, axis=0), QMAX, s_ptr.dtype.element_ty)
         sc = tl.arange(0, DP)[:, None] * PER + tl.arange(0, PER)[None, :]
         tl.store(s_ptr + n * ss_n + g * ss_g + sc, scale)
         tl.store(m_ptr + n * ss_n + g * ss_g + sc, mn)
-        s32, m32 = scale.to(tl.float32), mn.to(tl.float32)
-        inv = tl.where(s32 > 0, tl.div_rn(s32 * 0.0 + 1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
-        y = (x - m32[None]) * inv[None] + 0.5
-        code = tl.minimum(tl.maximum(tl.floor(y), 0.0), QMAX).to(tl.int32)
-        byte = tl.sum(code << (i * BITS), axis=2).to(tl.uint8)  # (G, DP)
+        byte = _packed(x, mn[None], inv[None], i * BITS, 2, QMAX)  # (G, DP)
         tl.store(p_ptr + n * sp_n + (g * G + tl.arange(0, G)[:, None]) * sp_t
                  + tl.arange(0, DP)[None, :], byte)
 
@@ -71,19 +82,13 @@ if HAS_TRITON:
         i4 = tl.arange(0, PER)[None, None, None, :]
         x = tl.load(x_ptr + n * sx_n + t4 * sx_t + (g4 * GP + j4) * PER + i4, mask=t4 < T,
                     other=0.0).to(tl.float32)  # (BLOCK_T, NG, GP, PER)
-        mn = tl.min(tl.min(x, axis=3), axis=2)
-        span = tl.max(tl.max(x, axis=3), axis=2) - mn
-        scale = tl.div_rn(span, tl.full(span.shape, QMAX, tl.float32)).to(s_ptr.dtype.element_ty)
-        mn = mn.to(m_ptr.dtype.element_ty)
+        scale, mn, inv = _scale_min(tl.min(tl.min(x, axis=3), axis=2), tl.max(tl.max(x, axis=3), axis=2),
+                                    QMAX, s_ptr.dtype.element_ty)
         t2 = tb * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
         g2 = tl.arange(0, NG)[None, :]
         tl.store(s_ptr + n * ss_n + t2 * ss_t + g2, scale, mask=t2 < T)
         tl.store(m_ptr + n * ss_n + t2 * ss_t + g2, mn, mask=t2 < T)
-        s32 = scale.to(tl.float32)[:, :, None, None]
-        m32 = mn.to(tl.float32)[:, :, None, None]
-        inv = tl.where(s32 > 0, tl.div_rn(s32 * 0.0 + 1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
-        code = tl.minimum(tl.maximum(tl.floor((x - m32) * inv + 0.5), 0.0), QMAX).to(tl.int32)
-        byte = tl.sum(code << (i4 * BITS), axis=3).to(tl.uint8)  # (BLOCK_T, NG, GP)
+        byte = _packed(x, mn[:, :, None, None], inv[:, :, None, None], i4 * BITS, 3, QMAX)  # (BLOCK_T, NG, GP)
         t3 = tb * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
         b3 = tl.arange(0, NG)[None, :, None] * GP + tl.arange(0, GP)[None, None, :]
         tl.store(p_ptr + n * sp_n + t3 * sp_t + b3, byte, mask=t3 < T)

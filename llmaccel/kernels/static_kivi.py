@@ -118,6 +118,7 @@ def static_kivi_prefill(k, v, kp, ks, km, vp, vs, vm, kr, vr, spec: dict):
 if triton is not None:
     from triton.language.extra import cuda as _tl_cuda
 
+    from llmaccel.kernels.kivi import _packed, _scale_min
     from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
                                                   _softmax_block, _softmax_init, _softmax_result)
     from llmaccel.kernels.quant_linear import _int4_words, _interleave8
@@ -223,21 +224,6 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _minmax(x, axis0: tl.constexpr, axis1: tl.constexpr, QMAX: tl.constexpr, SDT: tl.constexpr):
-        """Asymmetric scale and min over axes (axis0, then axis1 if >= 0) rounded to the cache's
-        dtype, and the reciprocal of the rounded scale (0 where the span is 0), as the reference."""
-        mn = tl.min(x, axis=axis0)
-        mx = tl.max(x, axis=axis0)
-        if axis1 >= 0:
-            mn = tl.min(mn, axis=axis1)
-            mx = tl.max(mx, axis=axis1)
-        sc = tl.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(SDT)
-        mn = mn.to(SDT)
-        s32 = sc.to(tl.float32)
-        inv = tl.where(s32 > 0, tl.div_rn(s32 * 0.0 + 1.0, tl.where(s32 > 0, s32, 1.0)), 0.0)
-        return sc, mn, inv
-
-    @triton.jit
     def _age_group(KP, KS, KM, VP, VS, VM, KR, VR, kp0, ks0, vs0, kr0, first, ring,
                    s_pt, s_kg, s_vt, s_rt, BITS: tl.constexpr, G: tl.constexpr, VG: tl.constexpr,
                    D: tl.constexpr):
@@ -254,12 +240,11 @@ if triton is not None:
         j3 = tl.arange(0, DP)[None, :, None]
         i3 = tl.arange(0, PER)[None, None, :]
         x = tl.load(KR + kr0 + slot[:, None, None] + j3 * PER + i3).to(tl.float32)
-        sc, mn, inv = _minmax(x, 0, -1, QMAX, SDT)
+        sc, mn, inv = _scale_min(tl.min(x, axis=0), tl.max(x, axis=0), QMAX, SDT)
         ch = tl.arange(0, DP)[:, None] * PER + tl.arange(0, PER)[None, :]
         tl.store(KS + ks0 + (first // G) * s_kg + ch, sc)
         tl.store(KM + ks0 + (first // G) * s_kg + ch, mn)
-        code = tl.minimum(tl.maximum(tl.floor((x - mn.to(tl.float32)[None]) * inv[None] + 0.5), 0.0), QMAX)
-        byte = tl.sum(code.to(tl.int32) << (i3 * BITS), axis=2).to(tl.uint8)
+        byte = _packed(x, mn[None], inv[None], i3 * BITS, 2, QMAX)
         prow = t[:, None].to(tl.int64) * s_pt
         tl.store(KP + kp0 + prow + tl.arange(0, DP)[None, :], byte)
         # values: (G, NVG, GP, PER), channel (g * GP + j) * PER + i
@@ -269,13 +254,12 @@ if triton is not None:
         j4 = tl.arange(0, GP)[None, None, :, None]
         i4 = tl.arange(0, PER)[None, None, None, :]
         x4 = tl.load(VR + kr0 + slot[:, None, None, None] + (g4 * GP + j4) * PER + i4).to(tl.float32)
-        vsc, vmn, vinv = _minmax(x4, 3, 2, QMAX, SDT)  # (G, NVG)
+        vsc, vmn, vinv = _scale_min(tl.min(tl.min(x4, axis=3), axis=2), tl.max(tl.max(x4, axis=3), axis=2),
+                                    QMAX, SDT)  # (G, NVG)
         vofs = vs0 + t[:, None].to(tl.int64) * s_vt + tl.arange(0, NVG)[None, :]
         tl.store(VS + vofs, vsc)
         tl.store(VM + vofs, vmn)
-        vcode = tl.floor((x4 - vmn.to(tl.float32)[:, :, None, None]) * vinv[:, :, None, None] + 0.5)
-        vcode = tl.minimum(tl.maximum(vcode, 0.0), QMAX).to(tl.int32)
-        vbyte = tl.sum(vcode << (i4 * BITS), axis=3).to(tl.uint8)  # (G, NVG, GP)
+        vbyte = _packed(x4, vmn[:, :, None, None], vinv[:, :, None, None], i4 * BITS, 3, QMAX)  # (G, NVG, GP)
         b3 = tl.arange(0, NVG)[None, :, None] * GP + tl.arange(0, GP)[None, None, :]
         tl.store(VP + kp0 + prow[:, :, None] + b3, vbyte)
 
