@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4224, help="position of the decoded token")
     ap.add_argument("--heads", default="32,8,64")
-    ap.add_argument("--configs", default="", help="block_n:programs_per_sm:warps:prefetch:early,...")
+    ap.add_argument("--configs", default="", help="block_n:programs_per_sm:warps:prefetch,...")
     ap.add_argument("--out")
     a = ap.parse_args()
     H, Hkv, D = (int(x) for x in a.heads.split(","))
@@ -60,13 +60,13 @@ def main() -> None:
     kw = dict(scale=D ** -0.5, bits=2, group=16, value_group=spec["value_group"], residual=128)
     ref = sk.static_kivi_decode_ref(q, k, v, *[t.clone() for t in cache], pos, **kw)
     kbytes = B * bytes_per_token(spec, Hkv, D) * (P + 1)
-    base = dict(block_n=128, programs_per_sm=4, num_warps=4, prefetch=True, early=False, reduce_warps=1)
-    configs = [dict(base, early=True, reduce_warps=4), base, dict(base, prefetch=False),
+    base = dict(block_n=128, programs_per_sm=4, num_warps=4, prefetch=True)
+    configs = [base, dict(base, prefetch=False),
                dict(base, pdl=False), dict(base, programs_per_sm=8), dict(base, programs_per_sm=8, prefetch=False),
                dict(base, block_n=64, programs_per_sm=8), dict(base, programs_per_sm=2),
                dict(base, block_n=64, programs_per_sm=16, num_warps=2)]
     if a.configs:
-        keys = ("block_n", "programs_per_sm", "num_warps", "prefetch", "early")
+        keys = ("block_n", "programs_per_sm", "num_warps", "prefetch")
         configs = [dict(base, **dict(zip(keys, (int(x) for x in c.split(":"))))) for c in a.configs.split(",")]
     for cfg in configs:
         run = {k: v for k, v in cfg.items() if k != "pdl"}
@@ -83,8 +83,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({"batch": B, "ctx": P, "heads": [H, Hkv, D], "rows": rows}, indent=1))
     print(f"decode attention per layer, batch {B}, position {P}, heads {H}/{Hkv}x{D} (bf16)")
     for r in rows:
-        cfg = ", ".join(f"{k}={r[k]}" for k in ("splits", "block_n", "programs_per_sm", "num_warps", "prefetch", "early",
-                                             "reduce_warps", "pdl") if k in r)
+        cfg = ", ".join(f"{k}={r[k]}" for k in ("splits", "block_n", "programs_per_sm", "num_warps", "prefetch", "pdl") if k in r)
         if "error" in r:
             print(f"  {r['kernel']:<18} {cfg:<60} ERROR {r['error'][:120]}")
         else:

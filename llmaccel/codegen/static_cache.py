@@ -115,13 +115,14 @@ class BoundCache:
             out = torch.ops.llmaccel.static_decode_attention(*args, kc, vc, self.pos, *tables, scale=scale)
             return out.reshape(B, 1, n_heads * head_dim)
         q, k, v = _unfused(q, k, v, rope, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
-        kc.index_copy_(2, self.pos, split_heads(k, n_kv_heads, head_dim).to(kc.dtype))
-        vc.index_copy_(2, self.pos, split_heads(v, n_kv_heads, head_dim).to(vc.dtype))
+        kh = split_heads(k, n_kv_heads, head_dim).to(kc.dtype)
+        vh = split_heads(v, n_kv_heads, head_dim).to(vc.dtype)
+        kc.index_copy_(2, self.pos, kh)
+        vc.index_copy_(2, self.pos, vh)
         qh = split_heads(q, n_heads, head_dim)
         if self.attn == "prefill":  # positions 0 .. T - 1: causal over this forward's keys alone
-            out = F.scaled_dot_product_attention(qh, split_heads(k, n_kv_heads, head_dim).to(kc.dtype).to(q.dtype),
-                                                 split_heads(v, n_kv_heads, head_dim).to(vc.dtype).to(q.dtype),
-                                                 is_causal=True, scale=scale, enable_gqa=n_heads != n_kv_heads)
+            out = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), is_causal=True,
+                                                 scale=scale, enable_gqa=n_heads != n_kv_heads)
         elif self.attn == "rows" and T == 1:
             out = rows_attention(qh, kc, vc, self.mask, scale)
         elif self.attn != "sdpa":  # grouped, and the forwards of more than one query
@@ -130,7 +131,6 @@ class BoundCache:
             out = F.scaled_dot_product_attention(qh, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self.mask,
                                                  scale=scale, enable_gqa=n_heads != n_kv_heads)
         return merge_heads(out)
-
 
     def _attend_kivi(self, layer, q, k, v, n_heads, n_kv_heads, head_dim, scale):
         spec, bufs = self.cache.specs[layer], self.cache.kivi_buffers(layer)

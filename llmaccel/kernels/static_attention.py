@@ -161,15 +161,17 @@ if triton is not None:
                      acc.to(O.dtype.element_ty), mask=om)
 
 
-def static_splits(batch: int, n_kv: int, max_len: int, num_sms: int = 132) -> int:
-    """Splits of the cache: enough programs to fill the GPU, none shorter than 64 slots, at most
-    64 (the merge holds every split of a head in one tile).
+def static_splits(batch: int, n_kv: int, length: int, *, programs: int = 2 * 132, min_len: int = 64,
+                  cap: int = 64) -> int:
+    """Splits of a cache of `length` slots: about `programs` programs in all (two per SM of an
+    H200 by default), none shorter than min_len slots, at most cap (the merge holds every split
+    of a head in one tile).
 
     At batch 1 a program that walks its slots 64 at a time is bound by the latency of each
     step: SmolLM2's 3 KV heads over 384 slots take 5.3 us per layer in one split, 4.2 us in six
     (the reduce launch included; H200, scripts/gpu_attn_probe.py)."""
-    want = cdiv(2 * num_sms, max(1, batch * n_kv))
-    return max(1, min(want, cdiv(max_len, 64), 64))
+    want = cdiv(programs, max(1, batch * n_kv))
+    return max(1, min(want, cdiv(length, min_len), cap))
 
 
 def static_decode_triton(q, k, v, k_cache, v_cache, pos, scale: float, cos=None, sin=None,
