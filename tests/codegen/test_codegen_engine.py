@@ -75,11 +75,17 @@ def test_greedy_text_identical_to_reference():
     ref = load(src)
     prompts = torch.randint(0, 512, (2, 7))
     eng = DecodeEngine(compile(src, ["fuse"], progress=False), 2, 32, compile=True, backend="aot_eager")
-    got = eng.generate(prompts, 12)
-    again = eng.generate(prompts, 12)  # the cache is reused without clearing
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for b in range(2):
-        want = list(executor.generate_ids(ref.gm, prompts[b].tolist(), params, eos_ids=set(),
+    _assert_greedy_as_reference(eng, ref.gm, prompts, 12)
+
+
+def _assert_greedy_as_reference(eng, gm, prompts, n):
+    """Two generates of the engine (the second on the cache the first left, not cleared) give
+    the reference executor's greedy tokens for every row."""
+    got = eng.generate(prompts, n)
+    again = eng.generate(prompts, n)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for b in range(prompts.shape[0]):
+        want = list(executor.generate_ids(gm, prompts[b].tolist(), params, eos_ids=set(),
                                           max_len=512, dtype=torch.float32))
         assert got[b].tolist() == want
         assert again[b].tolist() == want
@@ -141,14 +147,7 @@ def test_kivi_static_greedy_text_identical_to_reference():
     m = _kivi_tiny()
     prompts = torch.randint(0, 512, (2, 11))
     eng = DecodeEngine(m, 2, 48, compile=True, backend="aot_eager")
-    got = eng.generate(prompts, 30)
-    again = eng.generate(prompts, 30)  # the cache is reused without clearing
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for b in range(2):
-        want = list(executor.generate_ids(m.gm, prompts[b].tolist(), params, eos_ids=set(),
-                                          max_len=512, dtype=torch.float32))
-        assert got[b].tolist() == want
-        assert again[b].tolist() == want
+    _assert_greedy_as_reference(eng, m.gm, prompts, 30)
 
 
 def test_kivi_static_cache_refuses_what_it_cannot_do():
