@@ -122,14 +122,13 @@ if triton is not None:
     from llmaccel.kernels.kivi import _packed, _scale_min
     from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
                                                   _softmax_block, _softmax_init, _softmax_result)
-    from llmaccel.kernels.quant_linear import _int4_words, _interleave8
+    from llmaccel.kernels.quant_linear import _int4_words, _interleave8, _nib
 
     @triton.jit
     def _crumb(w, SHIFT: tl.constexpr):
-        """The 2-bit field at bit SHIFT (< 22) of each word as an exact fp32 integer: ORed into
-        the mantissa of 2^23 and scaled back by one FMA (exact: one rounding of an integer)."""
-        v = ((w & (3 << SHIFT)) | 0x4B000000).to(tl.float32, bitcast=True)
-        return tl.fma(v, 1.0 / (1 << SHIFT), -8388608.0 / (1 << SHIFT))
+        """The 2-bit field at bit SHIFT (< 22) of each word as an exact fp32 integer (quant_linear's
+        nibble read, with a 2-bit mask)."""
+        return _nib(w, 3 << SHIFT, 1.0 / (1 << SHIFT), 0.0)
 
     @triton.jit
     def _interleave16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
