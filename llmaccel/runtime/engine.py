@@ -9,6 +9,7 @@ from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
+from llmaccel.runtime.cudagraphs import DecodeGraphs
 from llmaccel.runtime.graph import layerskip_draft, runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
@@ -44,7 +45,9 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
                  device=None, enable_prefix_caching: bool = True, draft_layers: int | None = None,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, cuda_graphs: bool | None = None):
+        """cuda_graphs: replay decode-only steps as CUDA graphs per batch bucket (None: on CUDA
+        for caches other than KIVI's; True on the CPU runs the same padded steps eagerly)."""
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise LlmaccelError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if isinstance(source, Model):
@@ -70,6 +73,11 @@ class LLM:
             bpt += PagedKVCache.bytes_per_token(draft_layers_map, self.dtype)
         tokens = kv_cache_tokens if kv_cache_tokens is not None else self._default_tokens(
             bpt, max_num_batched_tokens, gpu_memory_utilization)
+        if cuda_graphs and self.kivi is not None:
+            raise LlmaccelError("CUDA graphs of the decode step do not take a KIVI cache yet; "
+                                "pass cuda_graphs=False or compile without kvquant")
+        graphs = (cuda_graphs if cuda_graphs is not None else str(self.device).startswith("cuda")) \
+            and self.kivi is None
         if self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
                                                    max_num_batched_tokens, gpu_memory_utilization)
@@ -77,8 +85,12 @@ class LLM:
             num_blocks = tokens // block_size
             if num_blocks < 1:
                 raise LlmaccelError(f"kv_cache_tokens={tokens} holds no block of {block_size} tokens")
-            self.cache = PagedKVCache(layers, num_blocks, block_size, self.dtype, self.device)
+            # with graphs, one block more: the padding rows' scratch block, never handed out
+            self.cache = PagedKVCache(layers, num_blocks + graphs, block_size, self.dtype, self.device)
             self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.graphs = DecodeGraphs(
+            self.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
+            max_len=self.cfg.max_position, capture=str(self.device).startswith("cuda")) if graphs else None
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.cfg.max_position)
@@ -263,14 +275,18 @@ class LLM:
         for seq, toks, nl in plan:
             items.append((seq, toks) if self.kivi else (seq.block_table, seq.num_computed, toks))
             want.append(nl)
-        step_inputs = build_kivi_step if self.kivi else build_step
-        ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
-        logits = self.gm(ids, pos, ctx)[0]
-        if self.kivi:
-            for seq, _, _ in plan:
-                self.bm.release_aged(seq)
-        if not getattr(self.gm, "selects_rows", False):
-            logits = logits.index_select(0, ctx.logits_indices)
+        logits = None
+        if self.graphs is not None and not proposals and all(len(t) == 1 and nl == 1 for _, t, nl in plan):
+            logits = self.graphs.run([(s.block_table, s.num_computed, t[0]) for s, t, _ in plan])
+        if logits is None:
+            step_inputs = build_kivi_step if self.kivi else build_step
+            ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
+            logits = self.gm(ids, pos, ctx)[0]
+            if self.kivi:
+                for seq, _, _ in plan:
+                    self.bm.release_aged(seq)
+            if not getattr(self.gm, "selects_rows", False):
+                logits = logits.index_select(0, ctx.logits_indices)
         greedy = logits.argmax(-1).tolist()
         probs = self._sampling_probs(logits, plan, proposals)
         self.stats["steps"] += 1
@@ -337,7 +353,9 @@ class LLM:
                  prefix_cache_hit_tokens=self.bm.hit_tokens, prefix_caching=self.bm.prefix_caching,
                  speculative=None if self.draft is None else self.draft.name,
                  spec_accept_rate=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
-                 spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0)
+                 spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0,
+                 graph_steps=self.graphs.replays if self.graphs is not None else 0,
+                 graphs_captured=len(self.graphs.graphs) if self.graphs is not None else 0)
         if self.kivi:
             s.update(kivi_metrics(self.cache, self.bm))
         return s

@@ -36,7 +36,13 @@ def reference(tiny, prompts):
     {"speculative": "self:1"},  # LayerSkip draft sharing the target's cache
     {"speculative": "ngram"},
     {"speculative": "preset:tiny-llama", "num_speculative_tokens": 3},  # a draft model (== target)
-], ids=["batched", "preempt", "chunked", "self", "self-layers", "ngram", "draft-model"])
+    # decode steps through DecodeGraphs' padded static buffers (on the CPU without capture):
+    {"cuda_graphs": True, "max_num_seqs": 5},  # buckets 1, 2, 4, 5: padding rows
+    {"cuda_graphs": True, "kv_cache_tokens": 96, "block_size": 8},  # preemption, scratch block
+    {"cuda_graphs": True, "kv_cache_tokens": 120, "block_size": 3, "max_num_batched_tokens": 16},
+    {"cuda_graphs": True, "speculative": "ngram"},  # steps with proposals stay eager
+], ids=["batched", "preempt", "chunked", "self", "self-layers", "ngram", "draft-model",
+        "graphs", "graphs-preempt", "graphs-chunked", "graphs-ngram"])
 def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
     llm = LLM(tiny, **kw)
     outs = llm.generate(prompts, GREEDY)
@@ -44,6 +50,9 @@ def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
     assert all(o.finish_reason == "length" for o in outs)
     m = llm.metrics()
     assert m["kv_blocks_used"] == 0  # everything freed
+    assert (m["graph_steps"] > 0) == bool(kw.get("cuda_graphs"))
+    if kw.get("cuda_graphs") and kw.get("block_size") == 3:  # 52 tokens in blocks of 3: wide tables
+        assert any(w > 8 for _, w in llm.graphs.graphs)
     if kw.get("kv_cache_tokens") == 96:
         assert m["preemptions"] > 0
     if kw.get("speculative") == "preset:tiny-llama":
@@ -192,3 +201,52 @@ def test_rejection_sampling_output_follows_the_target(draft):
     want = p0 * n
     stat = ((counts - want) ** 2 / want).sum()
     assert float(torch.special.gammaincc(torch.tensor((V - 1) / 2.0), stat / 2)) > 1e-3
+
+
+def test_decode_graph_buckets():
+    from llmaccel.runtime.cudagraphs import batch_buckets
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(70) == [1, 2, 4, 8, 16, 32, 48, 64, 70]
+
+
+def test_cuda_graphs_refuse_kivi_cache():
+    from llmaccel.compiler.pipeline import compile
+    from llmaccel.errors import LlmaccelError
+
+    m = compile("preset:tiny-llama", ["kvquant"], {"kvquant": {"bits": 4, "residual": 32}},
+                eval_tokens=0, progress=False)
+    with pytest.raises(LlmaccelError, match="KIVI"):
+        LLM(m, cuda_graphs=True)
+    assert LLM(m).graphs is None  # the default leaves KIVI caches eager
+
+
+@pytest.mark.cuda
+def test_cuda_graph_decode_matches_reference_executor(prompts):
+    """On the GPU (fp32: no greedy ties): decode steps replayed as CUDA graphs, preemption and
+    chunked prefill between them, equal to the reference executor; then 40 requests (batch
+    buckets up to 48) against the eager runtime."""
+    import gc
+
+    m = load("preset:tiny-llama", dtype=torch.float32, device="cuda")
+    ref = [list(m.generate_ids(p, GREEDY)) for p in prompts]
+    for kw in ({}, {"kv_cache_tokens": 96, "block_size": 8}, {"max_num_seqs": 3}):
+        llm = LLM(m, **kw)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        met = llm.metrics()
+        assert met["graph_steps"] > 0 and met["graphs_captured"] > 0 and met["kv_blocks_used"] == 0
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    g = torch.Generator().manual_seed(1)
+    many = [torch.randint(3, 500, (int(n),), generator=g).tolist()
+            for n in torch.randint(1, 90, (40,), generator=g)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    eager = LLM(m, cuda_graphs=False, kv_cache_tokens=8192)
+    want = [o.token_ids for o in eager.generate(many, params)]
+    graphs = LLM(m, kv_cache_tokens=8192)
+    got = [o.token_ids for o in graphs.generate(many, params)]
+    assert got == want
+    assert max(b for b, _ in graphs.graphs.graphs) >= 32
