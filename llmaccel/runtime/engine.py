@@ -1,6 +1,7 @@
 """The LLM API: continuous batching over a paged KV cache, sampling, streaming, speculation."""
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
 import torch
@@ -277,7 +278,12 @@ class LLM:
             want.append(nl)
         logits = None
         if self.graphs is not None and not proposals and all(len(t) == 1 and nl == 1 for _, t, nl in plan):
-            logits = self.graphs.run([(s.block_table, s.num_computed, t[0]) for s, t, _ in plan])
+            try:
+                logits = self.graphs.run([(s.block_table, s.num_computed, t[0]) for s, t, _ in plan])
+            except RuntimeError as e:  # an op of this graph that a CUDA graph cannot hold
+                warnings.warn(f"decode steps run eagerly from now on: capturing their CUDA graph "
+                              f"failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+                self.graphs = None
         if logits is None:
             step_inputs = build_kivi_step if self.kivi else build_step
             ids, pos, ctx = step_inputs(self.cache, items, want, self.device)

@@ -212,6 +212,22 @@ def test_decode_graph_buckets():
     assert batch_buckets(70) == [1, 2, 4, 8, 16, 32, 48, 64, 70]
 
 
+def test_decode_graph_failure_falls_back_to_eager(tiny, prompts, reference, monkeypatch):
+    """A graph whose capture fails (an op a CUDA graph cannot hold) leaves the engine eager,
+    with a warning, and the output unchanged."""
+    from llmaccel.runtime.cudagraphs import DecodeGraphs
+
+    def fail(self, key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_graph", fail)
+    llm = LLM(tiny, cuda_graphs=True)
+    with pytest.warns(UserWarning, match="run eagerly"):
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.graphs is None and llm.metrics()["graph_steps"] == 0
+
+
 def test_cuda_graphs_refuse_kivi_cache():
     from llmaccel.compiler.pipeline import compile
     from llmaccel.errors import LlmaccelError
