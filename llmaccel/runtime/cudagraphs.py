@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from llmaccel.codegen.lower import lower
-from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache
+from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache, slot, table_tensor, used_blocks
 
 MIN_WIDTH = 8  # blocks per table row in the narrowest graph
 
@@ -99,9 +99,8 @@ class DecodeGraphs:
         n, (B, W) = len(ids), buf["tables"].shape
         bs = self.cache.block_size
         pad = B - n
-        rows = [list(t) + [0] * (W - len(t)) for t in tables] + [[self.scratch] + [0] * (W - 1)] * pad
-        t = torch.tensor(rows, dtype=torch.int32)  # one host tensor for the whole table
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, pos)]
+        t = table_tensor(list(tables) + [[self.scratch]] * pad, W)
+        slots = [slot(table, p, bs) for table, p in zip(tables, pos)]
         buf["ids"].copy_(torch.tensor([list(ids) + [0] * pad], dtype=torch.int64), non_blocking=True)
         buf["pos"].copy_(torch.tensor([list(pos) + [0] * pad], dtype=torch.int64), non_blocking=True)
         buf["slots"].copy_(torch.tensor(slots + [self.scratch * bs] * pad, dtype=torch.int64),
@@ -112,14 +111,12 @@ class DecodeGraphs:
     def run(self, items: list[tuple[list[int], int, int]]) -> torch.Tensor | None:
         """Logits (n, vocab) of a decode step over items = (block_table, position, token), or
         None when no graph takes it (too many sequences); valid until the next call."""
-        bs = self.cache.block_size
         lens = [p + 1 for _, p, _ in items]
-        width = max(-(-L // bs) for L in lens)
+        tables, width = used_blocks([table for table, _, _ in items], lens, self.cache.block_size)
         key = self.bucket(len(items), width)
         if key is None:
             return None
         g, buf, out = self._graph(key)
-        tables = [table[:-(-L // bs)] for (table, _, _), L in zip(items, lens)]
         self._fill(buf, [t for _, _, t in items], [p for _, p, _ in items], tables, lens)
         if g is None:
             out = self._forward(buf)

@@ -77,8 +77,8 @@ class LLM:
         if cuda_graphs and self.kivi is not None:
             raise LlmaccelError("CUDA graphs of the decode step do not take a KIVI cache yet; "
                                 "pass cuda_graphs=False or compile without kvquant")
-        graphs = (cuda_graphs if cuda_graphs is not None else str(self.device).startswith("cuda")) \
-            and self.kivi is None
+        on_cuda = str(self.device).startswith("cuda")
+        graphs = (cuda_graphs if cuda_graphs is not None else on_cuda) and self.kivi is None
         if self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
                                                    max_num_batched_tokens, gpu_memory_utilization)
@@ -91,7 +91,7 @@ class LLM:
             self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.graphs = DecodeGraphs(
             self.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
-            max_len=self.cfg.max_position, capture=str(self.device).startswith("cuda")) if graphs else None
+            max_len=self.cfg.max_position, capture=on_cuda) if graphs else None
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.cfg.max_position)

@@ -79,6 +79,22 @@ class PagedContext:
         return out.reshape(1, N, n_heads * head_dim)
 
 
+def slot(table: list[int], p: int, block_size: int) -> int:
+    """The cache slot of position p of a sequence with block table `table`."""
+    return table[p // block_size] * block_size + p % block_size
+
+
+def used_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> tuple[list[list[int]], int]:
+    """Each table cut to the blocks its first lens[i] tokens use, and the widest of them."""
+    used = [table[:-(-L // block_size)] for table, L in zip(tables, lens)]
+    return used, max(map(len, used))
+
+
+def table_tensor(tables: list[list[int]], width: int) -> torch.Tensor:
+    """Block tables as one int32 host tensor (rows, width), each row padded with block 0."""
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
 def build_step(cache: PagedKVCache, items: list[tuple[list[int], int, list[int]]], want_logits: list[int],
                device) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
     """Inputs for one forward over `items` = (block_table, start position, new token ids).
@@ -99,15 +115,11 @@ def build_step(cache: PagedKVCache, items: list[tuple[list[int], int, list[int]]
         base = len(ids)
         ids.extend(toks)
         pos.extend(range(start, start + T))
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + T))
+        slots.extend(slot(table, p, bs) for p in range(start, start + T))
         lens.append(start + T)
         qlens.append(T)
         rows.extend(range(base + T - nl, base + T))
-    width = max(-(-L // bs) for L in lens)
-    bt = torch.zeros(len(items), width, dtype=torch.int32)
-    for i, (table, _, _) in enumerate(items):
-        n = -(-lens[i] // bs)
-        bt[i, :n] = torch.tensor(table[:n], dtype=torch.int32)
+    bt = table_tensor(*used_blocks([table for table, _, _ in items], lens, bs))
     cu = [0]
     for t in qlens[n_decode:]:
         cu.append(cu[-1] + t)
