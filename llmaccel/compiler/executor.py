@@ -11,7 +11,7 @@ import torch
 from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.ops.kvquant import QuantizedKVCache, kv_quant_attention
 from llmaccel.ops.sla import LinearAttentionCache, linear_attention
-from llmaccel.runtime.sampler import SamplingParams, sample
+from llmaccel.runtime.sampler import SamplingParams, request_seed, sample
 
 
 def kv_quant_specs(gm: torch.fx.GraphModule) -> dict[int, dict]:
@@ -51,15 +51,11 @@ def generate_ids(gm: torch.fx.GraphModule, prompt: list[int], params: SamplingPa
     if n <= 0:
         return
     cache = make_cache(gm, 1, len(prompt) + n, dtype, device)
-    gen = torch.Generator(device=device)
-    if params.seed is not None:
-        gen.manual_seed(params.seed)
-    else:
-        gen.seed()
+    seed = request_seed(params)
     ids = torch.tensor([prompt], device=device)
     logits = forward(gm, ids, 0, cache)[:, -1]
     for i in range(n):
-        tok = int(sample(logits, params, gen)[0])
+        tok = int(sample(logits, params, seed, len(prompt) + i)[0])
         yield tok
         if tok in eos_ids and not params.ignore_eos:
             return

@@ -7,7 +7,6 @@ import torch
 
 from llmaccel.compiler.executor import make_cache
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sampler import SamplingParams, sample
 
 SPLITS = ("first-half", "second-half", "all")
 
@@ -39,13 +38,12 @@ def file_tokens(model, path: str, split: str, max_tokens: int | None) -> torch.T
 def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
     """(B, length) ids: each prompt row (B, P) continued by temperature-1 samples from `model`."""
     B, P = prompts.shape
-    params = SamplingParams(temperature=1.0)
     cache = make_cache(model.gm, B, length, model.dtype, model.device)
     seqs = prompts.to(model.device)
     tok = seqs
     for _ in range(length - P):
         logits = model.logits(tok, cache.length, cache)[:, -1]
-        tok = sample(logits, params, gen)[:, None]
+        tok = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
         seqs = torch.cat([seqs, tok], dim=1)
     return seqs
 

@@ -10,13 +10,13 @@ from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
-from llmaccel.runtime.cudagraphs import DecodeGraphs
+from llmaccel.runtime.decode import MAX_STEPS, DecodeRunner
 from llmaccel.runtime.graph import layerskip_draft, runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
-from llmaccel.runtime.sampler import SamplingParams, filtered_probs
+from llmaccel.runtime.sampler import SamplingParams, sample_mode, sample_rows
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
@@ -46,9 +46,11 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
                  device=None, enable_prefix_caching: bool = True, draft_layers: int | None = None,
-                 gpu_memory_utilization: float = 0.9, cuda_graphs: bool | None = None):
-        """cuda_graphs: replay decode-only steps as CUDA graphs per batch bucket (None: on CUDA
-        for caches other than KIVI's; True on the CPU runs the same padded steps eagerly)."""
+                 gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
+                 compile: bool | None = None):
+        """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py),
+        except over a KIVI cache. cuda_graphs: replay them as CUDA graphs (CUDA only);
+        compile: Inductor on the decode sub-step first (None: on CUDA)."""
         if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise LlmaccelError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if isinstance(source, Model):
@@ -74,11 +76,7 @@ class LLM:
             bpt += PagedKVCache.bytes_per_token(draft_layers_map, self.dtype)
         tokens = kv_cache_tokens if kv_cache_tokens is not None else self._default_tokens(
             bpt, max_num_batched_tokens, gpu_memory_utilization)
-        if cuda_graphs and self.kivi is not None:
-            raise LlmaccelError("CUDA graphs of the decode step do not take a KIVI cache yet; "
-                                "pass cuda_graphs=False or compile without kvquant")
         on_cuda = str(self.device).startswith("cuda")
-        graphs = (cuda_graphs if cuda_graphs is not None else on_cuda) and self.kivi is None
         if self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
                                                    max_num_batched_tokens, gpu_memory_utilization)
@@ -86,12 +84,13 @@ class LLM:
             num_blocks = tokens // block_size
             if num_blocks < 1:
                 raise LlmaccelError(f"kv_cache_tokens={tokens} holds no block of {block_size} tokens")
-            # with graphs, one block more: the padding rows' scratch block, never handed out
-            self.cache = PagedKVCache(layers, num_blocks + graphs, block_size, self.dtype, self.device)
+            # one block more: the decode runner's padding rows write there; never handed out
+            self.cache = PagedKVCache(layers, num_blocks + 1, block_size, self.dtype, self.device)
             self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.graphs = DecodeGraphs(
-            self.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
-            max_len=self.cfg.max_position, capture=on_cuda) if graphs else None
+        self.runner = DecodeRunner(
+            self.model.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
+            max_len=self.cfg.max_position, capture=on_cuda and cuda_graphs,
+            compile=compile) if self.kivi is None else None
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.cfg.max_position)
@@ -108,7 +107,7 @@ class LLM:
                                     device=self.device, name=name)
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, spec_proposed=0,
                           spec_accepted=0, spec_verifies=0, spec_emitted=0, kv_blocks_peak=0,
-                          requests_failed=0)
+                          requests_failed=0, decode_steps=0)
 
     def _draft_source(self, speculative, draft_layers, layers):
         """(draft graph or model, its own attention layers or None when it shares the cache)."""
@@ -262,7 +261,7 @@ class LLM:
             return
         spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
         proposals = self.draft.propose(spec) if spec else {}
-        items, want, plan = [], [], []
+        plan = []
         for seq, q in batch:
             nc = seq.num_computed
             if seq.id in proposals:
@@ -273,29 +272,65 @@ class LLM:
                 nl = 1 if nc + q == len(seq.token_ids) else 0
             plan.append((seq, toks, nl))
         plan.sort(key=lambda p: len(p[1]) != 1)
+        self.stats["steps"] += 1
+        if self.runner is not None and not proposals and all(len(t) == 1 and nl == 1 for _, t, nl in plan):
+            if self._decode([seq for seq, _, _ in plan]):
+                return
+        self._eager_step(plan, proposals)
+
+    def _decode(self, seqs: list[Sequence]) -> bool:
+        """A decode-only step on the runner, as many sub-steps as every row may take (up to
+        MAX_STEPS, blocks permitting); False when no shape takes it (the step runs eagerly)."""
+        n = MAX_STEPS
+        for seq in seqs:
+            n = min(n, seq.params.max_tokens - seq.n_output, self.cfg.max_position - len(seq.token_ids))
+        n = max(1, n)
+        bm = self.bm
+        if n > 1 and sum(max(0, bm.blocks_for(s.num_computed + n) - len(s.block_table)) for s in seqs) > bm.num_free:
+            n = 1  # the scheduler made room for one token per row
+        for seq in seqs:  # positions past the scheduled one fall in blocks that only this row holds
+            bm.grow(seq, seq.num_computed + n)
+        rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
+                 s.params.top_p, s.seed) for s in seqs]
+        try:
+            out = self.runner.run(rows, n, sample_mode([s.params for s in seqs]))
+        except RuntimeError as e:  # an op of this graph that a CUDA graph cannot hold
+            if not self.runner.capture:
+                raise
+            warnings.warn(f"decode steps run eagerly from now on: capturing their CUDA graph "
+                          f"failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            self.runner = None
+            out = None
+        if out is None:
+            for seq in seqs:
+                bm.trim(seq, seq.num_computed + 1)
+            return False
+        self.stats["decode_steps"] += n
+        for seq, toks in zip(seqs, out):
+            seq.num_computed += n
+            self._append(seq, toks)
+            bm.register(seq)
+            if seq.finished:
+                self.sched.finish(seq)
+        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], bm.num_used)
+        return True
+
+    def _eager_step(self, plan, proposals) -> None:
+        """A step with prefill chunks or speculative proposals: one forward of the runtime graph
+        over the flattened batch, sampled with the decode steps' sampler."""
+        items, want = [], []
         for seq, toks, nl in plan:
             items.append((seq, toks) if self.kivi else (seq.block_table, seq.num_computed, toks))
             want.append(nl)
-        logits = None
-        if self.graphs is not None and not proposals and all(len(t) == 1 and nl == 1 for _, t, nl in plan):
-            try:
-                logits = self.graphs.run([(s.block_table, s.num_computed, t[0]) for s, t, _ in plan])
-            except RuntimeError as e:  # an op of this graph that a CUDA graph cannot hold
-                warnings.warn(f"decode steps run eagerly from now on: capturing their CUDA graph "
-                              f"failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-                self.graphs = None
-        if logits is None:
-            step_inputs = build_kivi_step if self.kivi else build_step
-            ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
-            logits = self.gm(ids, pos, ctx)[0]
-            if self.kivi:
-                for seq, _, _ in plan:
-                    self.bm.release_aged(seq)
-            if not getattr(self.gm, "selects_rows", False):
-                logits = logits.index_select(0, ctx.logits_indices)
-        greedy = logits.argmax(-1).tolist()
-        probs = self._sampling_probs(logits, plan, proposals)
-        self.stats["steps"] += 1
+        step_inputs = build_kivi_step if self.kivi else build_step
+        ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
+        logits = self.gm(ids, pos, ctx)[0]
+        if self.kivi:
+            for seq, _, _ in plan:
+                self.bm.release_aged(seq)
+        if not getattr(self.gm, "selects_rows", False):
+            logits = logits.index_select(0, ctx.logits_indices)
+        sampled = self._sample(logits, plan, proposals)
         r = 0
         for seq, toks, nl in plan:
             rows = slice(r, r + nl)
@@ -304,7 +339,8 @@ class LLM:
                 seq.num_computed += len(toks)
             elif seq.id in proposals and len(toks) > 1:
                 prop, qprobs = proposals[seq.id]
-                new = verify(logits[rows], prop, qprobs, seq.params, seq.generator, greedy[rows])
+                greedy = logits[rows].argmax(-1).tolist() if seq.params.temperature == 0 else None
+                new = verify(logits[rows], prop, qprobs, seq.params, seq.generator, greedy)
                 self._spec_stats(seq, len(prop), len(new) - 1)
                 seq.num_computed += len(new)  # the fed last token and the accepted proposals
                 seq.draft_computed = min(seq.draft_computed, seq.num_computed)
@@ -312,33 +348,35 @@ class LLM:
                 self._append(seq, new)
             else:
                 seq.num_computed += len(toks)
-                tok = greedy[rows][-1] if seq.params.temperature == 0 else int(
-                    torch.multinomial(probs[r - 1: r], 1, generator=seq.generator)[0])
-                self._append(seq, [tok])
+                self._append(seq, [sampled[r - 1]])
             self.bm.register(seq)
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)
         for seq, _, _ in plan:
             if seq.finished:
                 self.sched.finish(seq)
 
-    @staticmethod
-    def _sampling_probs(logits, plan, proposals) -> torch.Tensor | None:
-        """Filtered probabilities of the rows sampled without speculation, one batched call per
-        distinct (temperature, top_k, top_p); each row is then drawn with its request's generator."""
-        groups: dict[tuple, list[int]] = {}
-        r = 0
+    def _sample(self, logits, plan, proposals) -> dict[int, int]:
+        """{logits row: next token} for the rows that end a sequence's input without speculation,
+        drawn in one batched call (seeded by request and position, as the decode steps draw)."""
+        rows, seqs, r = [], [], 0
         for seq, toks, nl in plan:
             r += nl
-            p = seq.params
-            if nl == 1 and p.temperature > 0 and not (seq.id in proposals and len(toks) > 1):
-                groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r - 1)
-        if not groups:
-            return None
-        probs = torch.empty_like(logits, dtype=torch.float32)
-        for (t, k, tp), rows in groups.items():
-            idx = torch.tensor(rows, device=logits.device)
-            probs[idx] = filtered_probs(logits[idx], SamplingParams(temperature=t, top_k=k, top_p=tp))
-        return probs
+            if nl == 1 and not (seq.id in proposals and len(toks) > 1):
+                rows.append(r - 1)
+                seqs.append(seq)
+        if not rows:
+            return {}
+        dev = logits.device
+        ps = [s.params for s in seqs]
+        toks = sample_rows(
+            logits[torch.tensor(rows, device=dev)],
+            torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev),
+            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
+            torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
+            torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64, device=dev),
+            sample_mode(ps)).tolist()
+        return dict(zip(rows, toks))
 
     def _spec_stats(self, seq: Sequence, k: int, accepted: int) -> None:
         s = self.stats
@@ -360,8 +398,8 @@ class LLM:
                  speculative=None if self.draft is None else self.draft.name,
                  spec_accept_rate=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
                  spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0,
-                 graph_steps=self.graphs.replays if self.graphs is not None else 0,
-                 graphs_captured=len(self.graphs.graphs) if self.graphs is not None else 0)
+                 graph_steps=self.runner.replays if self.runner is not None else 0,
+                 graphs_captured=len(self.runner.graphs) if self.runner is not None and self.runner.capture else 0)
         if self.kivi:
             s.update(kivi_metrics(self.cache, self.bm))
         return s

@@ -1,6 +1,7 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, seeded."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +47,88 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids."""
-    if p.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = filtered_probs(logits, p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+SEED_BITS = 62
+_M32 = 0xFFFFFFFF
+
+
+def request_seed(p: SamplingParams) -> int:
+    """The seed of a request's draws: its own, or a fresh random one (not reproducible)."""
+    return p.seed % (1 << SEED_BITS) if p.seed is not None else secrets.randbits(SEED_BITS)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 values in [0, 2^32): the
+    constant is below 2^27, so no product overflows int64."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per row, a function of (seed, position) alone: a seeded request
+    draws the same numbers whatever else shares its batch, whichever path (CUDA graph, eager
+    step, reference executor) computes its step, and without generator state to carry."""
+    h = _mix32(seeds & _M32)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    h = _mix32(h ^ (positions & _M32))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                mode: str = "filter") -> torch.Tensor:
+    """Next tokens (B,) of logits (B, V), each row with its own parameters, on the logits'
+    device and without a host sync (a CUDA graph captures it).
+
+    temperature, top_p: float32 (B,); top_k, seeds, positions: int64 (B,), positions being the
+    index of the token drawn. A row of temperature 0 takes the argmax. Sampled rows invert the
+    CDF of their filtered distribution at row_uniforms(seed, position): exact, one uniform per
+    token. mode: "greedy" (every row greedy), "sample" (no row with top-k or top-p) or
+    "filter" (the general case: the rows sorted once).
+    """
+    greedy = logits.argmax(-1)
+    if mode == "greedy":
+        return greedy
+    V = logits.shape[-1]
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x = logits.float() / t[:, None]
+    order = None
+    if mode == "filter":
+        # As filtered_probs: top-k on the tempered logits, softmax, then drop a token when the
+        # mass before it already reaches top_p (the first always stays); ties at the k-th logit
+        # are cut by rank here.
+        x, order = x.sort(-1, descending=True)
+        rank = torch.arange(V, device=x.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+        x = x.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+        probs = torch.softmax(x, -1)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
+    elif mode == "sample":
+        probs = torch.softmax(x, -1)
+    else:
+        raise ValueError(f"mode must be greedy, sample or filter, got {mode!r}")
+    cdf = probs.cumsum(-1)
+    u = row_uniforms(seeds, positions)[:, None] * cdf[:, -1:]
+    idx = (cdf < u).sum(-1).clamp_max(V - 1)
+    tok = idx if order is None else order.gather(1, idx[:, None])[:, 0]
+    return torch.where(temperature > 0, tok, greedy)
+
+
+def sample_mode(params: list[SamplingParams]) -> str:
+    """The cheapest sample_rows mode that serves every row."""
+    if all(p.temperature == 0 for p in params):
+        return "greedy"
+    if all(p.temperature == 0 or (p.top_k == 0 and p.top_p >= 1.0) for p in params):
+        return "sample"
+    return "filter"
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, seed: int, position: int) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids, every row with params p, the seed and the position of
+    the drawn token (the reference executor's sampler: sample_rows on one parameter set)."""
+    B, dev = logits.shape[0], logits.device
+    return sample_rows(logits, torch.full((B,), float(p.temperature), device=dev),
+                       torch.full((B,), p.top_k, dtype=torch.int64, device=dev),
+                       torch.full((B,), float(p.top_p), device=dev),
+                       torch.full((B,), seed, dtype=torch.int64, device=dev),
+                       torch.full((B,), position, dtype=torch.int64, device=dev), sample_mode([p]))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.runtime.sampler import SamplingParams, request_seed
 
 _ids = itertools.count()
 
@@ -54,13 +54,13 @@ class Sequence:
         self.error: str | None = None
         self.text = ""
         self.stop_cut: int | None = None  # text length where a stop string begins
+        # sampled tokens are drawn by (seed, position) (sampler.row_uniforms); the generator
+        # serves speculative verification's rejection sampling
+        self.seed = request_seed(params)
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator(device=device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
+            self.generator.manual_seed(self.seed)
 
     @property
     def output_ids(self) -> list[int]:

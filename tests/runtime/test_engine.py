@@ -36,13 +36,8 @@ def reference(tiny, prompts):
     {"speculative": "self:1"},  # LayerSkip draft sharing the target's cache
     {"speculative": "ngram"},
     {"speculative": "preset:tiny-llama", "num_speculative_tokens": 3},  # a draft model (== target)
-    # decode steps through DecodeGraphs' padded static buffers (on the CPU without capture):
-    {"cuda_graphs": True, "max_num_seqs": 5},  # buckets 1, 2, 4, 5: padding rows
-    {"cuda_graphs": True, "kv_cache_tokens": 96, "block_size": 8},  # preemption, scratch block
-    {"cuda_graphs": True, "kv_cache_tokens": 120, "block_size": 3, "max_num_batched_tokens": 16},
-    {"cuda_graphs": True, "speculative": "ngram"},  # steps with proposals stay eager
-], ids=["batched", "preempt", "chunked", "self", "self-layers", "ngram", "draft-model",
-        "graphs", "graphs-preempt", "graphs-chunked", "graphs-ngram"])
+    {"max_num_seqs": 5},  # decode buckets 1, 2, 4, 5: padding rows
+], ids=["batched", "preempt", "chunked", "self", "self-layers", "ngram", "draft-model", "buckets"])
 def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
     llm = LLM(tiny, **kw)
     outs = llm.generate(prompts, GREEDY)
@@ -50,9 +45,10 @@ def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
     assert all(o.finish_reason == "length" for o in outs)
     m = llm.metrics()
     assert m["kv_blocks_used"] == 0  # everything freed
-    assert (m["graph_steps"] > 0) == bool(kw.get("cuda_graphs"))
-    if kw.get("cuda_graphs") and kw.get("block_size") == 3:  # 52 tokens in blocks of 3: wide tables
-        assert any(w > 8 for _, w in llm.graphs.graphs)
+    # decode steps run on the decode runner (several sub-steps each) unless a draft proposes
+    assert (m["decode_steps"] > m["steps"] // 2) == (not kw.get("speculative"))
+    if kw.get("block_size") == 3:  # 52 tokens in blocks of 3: wide tables
+        assert any(w > 8 for _, w, _ in llm.runner.graphs)
     if kw.get("kv_cache_tokens") == 96:
         assert m["preemptions"] > 0
     if kw.get("speculative") == "preset:tiny-llama":
@@ -204,7 +200,7 @@ def test_rejection_sampling_output_follows_the_target(draft):
 
 
 def test_decode_graph_buckets():
-    from llmaccel.runtime.cudagraphs import batch_buckets
+    from llmaccel.runtime.decode import batch_buckets
 
     assert batch_buckets(1) == [1]
     assert batch_buckets(5) == [1, 2, 4, 5]
@@ -212,31 +208,12 @@ def test_decode_graph_buckets():
     assert batch_buckets(70) == [1, 2, 4, 8, 16, 32, 48, 64, 70]
 
 
-def test_decode_graph_failure_falls_back_to_eager(tiny, prompts, reference, monkeypatch):
-    """A graph whose capture fails (an op a CUDA graph cannot hold) leaves the engine eager,
-    with a warning, and the output unchanged."""
-    from llmaccel.runtime.cudagraphs import DecodeGraphs
-
-    def fail(self, key):
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(DecodeGraphs, "_graph", fail)
-    llm = LLM(tiny, cuda_graphs=True)
-    with pytest.warns(UserWarning, match="run eagerly"):
-        outs = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == reference
-    assert llm.graphs is None and llm.metrics()["graph_steps"] == 0
-
-
-def test_cuda_graphs_refuse_kivi_cache():
+def test_kivi_cache_decodes_eagerly():
     from llmaccel.compiler.pipeline import compile
-    from llmaccel.errors import LlmaccelError
 
     m = compile("preset:tiny-llama", ["kvquant"], {"kvquant": {"bits": 4, "residual": 32}},
                 eval_tokens=0, progress=False)
-    with pytest.raises(LlmaccelError, match="KIVI"):
-        LLM(m, cuda_graphs=True)
-    assert LLM(m).graphs is None  # the default leaves KIVI caches eager
+    assert LLM(m).runner is None
 
 
 @pytest.mark.cuda
@@ -265,4 +242,4 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
     graphs = LLM(m, kv_cache_tokens=8192)
     got = [o.token_ids for o in graphs.generate(many, params)]
     assert got == want
-    assert max(b for b, _ in graphs.graphs.graphs) >= 32
+    assert max(b for b, _, _ in graphs.runner.graphs) >= 32

@@ -1,0 +1,207 @@
+"""The runtime's decode steps: the lowered graph, sampling inside, several steps per host sync.
+
+A step in which every scheduled sequence feeds one token (no prefill chunk, no speculation) runs
+here. Its rows are padded to a batch bucket (1, 2, 4, 8, 16, then multiples of 16 up to
+max_num_seqs) and its block tables to a power-of-two width; the last tokens, positions, tables
+and per-row sampling parameters are copied into static buffers, and one sub-step
+
+    logits = forward(tokens at positions)      # lowered graph: the project's kernels
+    next = sample_rows(logits, ...)            # greedy / temperature / top-k / top-p, seeded
+    out[:, i] = next; tokens = next; positions += 1
+
+is replayed n times back to back (a CUDA graph per (bucket, width, sampling mode) on CUDA), the
+KV slot of each row computed on the device from its block table and position. The host reads
+the n x rows new tokens once, then applies EOS, stop strings and max_tokens: a row that ended
+early wasted at most n - 1 sub-steps; its extra KV entries lie past what it keeps.
+
+The forward is the IR graph lowered with select="all": custom ops for every op a kernel module
+registers; at one row on CUDA each linear is a fused GEMV (norm prologue, SiLU-mul / residual
+epilogues, int4 codes read in registers for `quant` graphs), at more rows GEMMs. On CUDA the
+sub-step is compiled by Inductor (the glue between kernels fused) before capture. Padding rows
+feed token 0 at position 0 over a table of the scratch block, which the block manager never
+hands out; their outputs are discarded.
+
+Without capture (the CPU) the same sub-step runs eagerly on the same buffers.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmaccel.codegen.lower import load_kernel_modules, lower
+from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
+from llmaccel.runtime.sampler import row_uniforms, sample_rows  # noqa: F401  (row_uniforms: docs)
+
+MIN_WIDTH = 8  # blocks per table row in the narrowest graph
+MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
+
+
+def batch_buckets(max_seqs: int) -> list[int]:
+    out = [b for b in (1, 2, 4, 8) if b < max_seqs]
+    out += list(range(16, max_seqs, 16))
+    return out + [max_seqs]
+
+
+class DecodeContext:
+    """The attention context of a decode sub-step: one query per row at positions `pos` (B,),
+    block tables (B, W); the KV slot and context length of each row come from them."""
+
+    def __init__(self, cache: PagedKVCache, pos: torch.Tensor, tables: torch.Tensor):
+        bs = cache.block_size
+        self.cache, self.tables = cache, tables
+        blk = tables.gather(1, (pos // bs)[:, None].to(torch.int64))[:, 0].to(torch.int64)
+        self.slots = blk * bs + pos % bs
+        self.lens = (pos + 1).to(torch.int32)
+
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, **_):
+        B = q.shape[1]
+        out = torch.ops.llmaccel.paged_decode_attention(
+            q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
+            v.reshape(B, n_kv_heads, head_dim), self.cache.k[layer], self.cache.v[layer],
+            self.slots, self.tables, self.lens, scale=scale)
+        return out.reshape(1, B, n_heads * head_dim)
+
+
+class _Buffers:
+    """The static inputs and outputs of one (batch, width) shape."""
+
+    def __init__(self, B: int, W: int, device):
+        z = dict(device=device)
+        self.ids = torch.zeros(B, dtype=torch.int64, **z)
+        self.pos = torch.zeros(B, dtype=torch.int64, **z)
+        self.tables = torch.zeros(B, W, dtype=torch.int32, **z)
+        self.temp = torch.zeros(B, dtype=torch.float32, **z)
+        self.top_p = torch.ones(B, dtype=torch.float32, **z)
+        self.top_k = torch.zeros(B, dtype=torch.int64, **z)
+        self.seeds = torch.zeros(B, dtype=torch.int64, **z)
+        self.i = torch.zeros(1, dtype=torch.int64, **z)
+        self.out = torch.zeros(B, MAX_STEPS, dtype=torch.int64, **z)
+
+
+def _substep(gm, cache: PagedKVCache, mode: str, buf: _Buffers) -> None:
+    B = buf.ids.shape[0]
+    ctx = DecodeContext(cache, buf.pos, buf.tables)
+    logits = gm(buf.ids.view(1, B), buf.pos.view(1, B), ctx)[0]
+    nxt = sample_rows(logits, buf.temp, buf.top_k, buf.top_p, buf.seeds, buf.pos + 1, mode)
+    buf.out.index_copy_(1, buf.i, nxt[:, None])
+    buf.ids.copy_(nxt)
+    buf.pos.add_(1)
+    buf.i.add_(1)
+
+
+class DecodeRunner:
+    """Decode sub-steps of the IR graph `gm` over `cache`, whose last block is the scratch
+    block of the padding rows.
+
+    capture: CUDA graphs (CUDA only); compile: Inductor on the sub-step first (None: on CUDA).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, cache: PagedKVCache, *, max_seqs: int,
+                 max_blocks: int, max_len: int, capture: bool, compile: bool | None = None):
+        self.ir, self.cache, self.capture = gm, cache, capture
+        self.max_len, self.max_blocks = max_len, max_blocks
+        self.buckets = batch_buckets(max_seqs)
+        self.scratch = cache.num_blocks - 1
+        self.device = next(iter(cache.k.values())).device
+        cuda = self.device.type == "cuda"
+        self.compile = cuda if compile is None else compile
+        # one row on CUDA: the fused Triton GEMVs, when their kernel module loads
+        self.gemv = cuda and load_kernel_modules().get("gemv") == "ok"
+        self.lowered: dict[str, torch.fx.GraphModule] = {}
+        self.fns: dict[tuple[str, str], object] = {}
+        self.graphs: dict[tuple[int, int, str], tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+
+    def bucket(self, n: int, width: int) -> tuple[int, int] | None:
+        """The (batch, width) shape that takes n rows of tables up to width blocks."""
+        b = next((b for b in self.buckets if b >= n), None)
+        if b is None:
+            return None
+        w = MIN_WIDTH
+        while w < width:
+            w *= 2
+        return b, min(w, max(self.max_blocks, width))
+
+    def _fn(self, B: int, mode: str):
+        kind = "gemv" if B == 1 and self.gemv else "mm"
+        fn = self.fns.get((kind, mode))
+        if fn is None:
+            if kind not in self.lowered:
+                self.lowered[kind], _ = lower(self.ir, max_len=self.max_len, select="all", linear=kind)
+            gm, cache = self.lowered[kind], self.cache
+
+            def fn(buf):
+                _substep(gm, cache, mode, buf)
+            if self.compile:
+                fn = torch.compile(fn, fullgraph=True)
+            self.fns[(kind, mode)] = fn
+        return fn
+
+    def _graph(self, key):
+        hit = self.graphs.get(key)
+        if hit is not None:
+            return hit
+        B, W, mode = key
+        buf = _Buffers(B, W, self.device)
+        buf.tables.fill_(self.scratch)
+        fn = self._fn(B, mode)
+        if B > 1 and self.compile:  # one Inductor graph for every batch and width of this kind
+            for t, dims in ((buf.ids, (0,)), (buf.pos, (0,)), (buf.tables, (0, 1)), (buf.temp, (0,)),
+                            (buf.top_p, (0,)), (buf.top_k, (0,)), (buf.seeds, (0,)), (buf.out, (0,))):
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        if not self.capture:
+            hit = (None, buf, fn)
+        else:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up outside the capture (compiles here)
+                fn(buf)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            buf.i.zero_()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                fn(buf)
+            hit = (g, buf, fn)
+        self.graphs[key] = hit
+        return hit
+
+    def run(self, rows: list[tuple], n_steps: int, mode: str) -> list[list[int]] | None:
+        """n_steps new tokens per row, rows = (block_table, position, token, temperature, top_k,
+        top_p, seed); None when no shape takes them (more rows than the largest bucket).
+        Each table must cover position + n_steps tokens."""
+        if not 1 <= n_steps <= MAX_STEPS:
+            raise ValueError(f"n_steps must be in 1..{MAX_STEPS}, got {n_steps}")
+        lens = [r[1] + n_steps for r in rows]
+        tables, width = used_blocks([r[0] for r in rows], lens, self.cache.block_size)
+        shape = self.bucket(len(rows), width)
+        if shape is None:
+            return None
+        g, buf, fn = self._graph((*shape, mode))
+        self._fill(buf, rows, tables)
+        for _ in range(n_steps):
+            if g is None:
+                fn(buf)
+            else:
+                g.replay()
+        self.replays += n_steps
+        return buf.out[:len(rows), :n_steps].tolist()
+
+    def _fill(self, buf: _Buffers, rows, tables) -> None:
+        """Rows 0 .. n - 1 from the step, the rest padding rows on the scratch block."""
+        n, (B, W) = len(rows), buf.tables.shape
+        pad = B - n
+        t = torch.full((B, W), self.scratch, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            t[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        ints = torch.tensor([[r[2] for r in rows] + [0] * pad, [r[1] for r in rows] + [0] * pad,
+                             [r[4] for r in rows] + [0] * pad, [r[6] for r in rows] + [0] * pad],
+                            dtype=torch.int64)
+        floats = torch.tensor([[float(r[3]) for r in rows] + [0.0] * pad,
+                               [float(r[5]) for r in rows] + [1.0] * pad], dtype=torch.float32)
+        buf.tables.copy_(t, non_blocking=True)
+        for dst, src in zip((buf.ids, buf.pos, buf.top_k, buf.seeds), ints):
+            dst.copy_(src, non_blocking=True)
+        buf.temp.copy_(floats[0], non_blocking=True)
+        buf.top_p.copy_(floats[1], non_blocking=True)
+        buf.i.zero_()
