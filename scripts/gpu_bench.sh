@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Issue 5 speed comparison on one GPU: `llmc bench` next to the peers, same shapes, same run.
+# The GPU suite: `llmc bench` (LLM, the path users run) next to the gpt-fast-style peer, every row
+# of the speed goals, in one call.
 #
 #   cp -r ../shared/bench .bench          # the peers, in a git-ignored folder of the checkout
 #   OUT=/some/dir scripts/gpu_bench.sh    # from the repository root; nothing pip-installed
 #
 # Every result is one JSON line in $OUT/bench.jsonl (failures too, with "error"); each command's
 # full output is in $OUT/<label>.log; a table with ratios is printed last. The whole script
-# stays under DEADLINE seconds (default 530): each command gets the time that is left, and a
+# stays under DEADLINE seconds (default 560): each command gets the time that is left, and a
 # command that would start with less than a minute left is skipped.
-# CASES="shape:batch ..." and VARIANTS="int4 mm gemv nocustom tune" pick what runs (either may be
-# empty), e.g. a second call: CASES= VARIANTS="int4 mm tune" scripts/gpu_bench.sh; HF=0 skips
-# the HF eager peer.
+# ROWS="..." picks the rows (default: all, in this order): b1 b1s smol smols b64 b64s w4 7b load
+# PEER=0 skips the peers.
 set -u
 OUT=${OUT:-out/gpu_bench}
 mkdir -p "$OUT"
@@ -20,10 +20,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 P=128
 G=256
-DEADLINE=${DEADLINE:-530}
+DEADLINE=${DEADLINE:-560}
 PEERS=${PEERS:-.bench}
-CASES=${CASES-"llama-1b:1 smollm2-135m:1 llama-1b:64 llama2-7b:1"}
-VARIANTS=${VARIANTS-"int4 mm nocustom"}
+ROWS=${ROWS-"b1 b1s smol b64 b64s w4 7b smols load"}
+SAMPLED="--temperature 0.8 --top-p 0.95"
 
 record() {  # record LABEL WALL_S LOGFILE RC: append the log's last JSON line, or an error line
   $PY - "$@" >> "$J" <<'EOF'
@@ -63,96 +63,62 @@ run() {  # run LABEL MAX_SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 
-# Goal-table cases in priority order: the later ones are skipped first when time runs out.
-for case in $CASES; do
-  shape=${case%%:*} b=${case##*:}
-  run "llmc_${shape}_bs$b" 200 $PY -m llmaccel.bench "preset:$shape" --batch "$b" --prompt-len $P \
-      --gen-len $G --dtype bfloat16 --json
-  run "fast_${shape}_bs$b" 150 $PY $PEERS/peer_fast.py --shape "$shape" --batch "$b" --prompt $P --gen $G
-  if [ "$shape" = llama-1b ] && [ "$b" = 1 ] && [ "${HF:-1}" = 1 ]; then
-    run "hf_${shape}_bs$b" 90 $PY $PEERS/peer_hf.py --shape "$shape" --batch "$b" --prompt $P --gen $G
-  fi
-done
-
-# Variants of llama-1b bs1 while time is left: int4 weights (the quant_linear kernels), cuBLAS
-# linears instead of Inductor GEMVs, the reference ops everywhere (no custom ops); and
-# smollm2-135m with the matmul decode attention instead of the fused kernel (grouped).
-L1="preset:llama-1b --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw"
-for v in $VARIANTS; do
-  case $v in
-    int4) run "llmc_llama-1b-int4_bs1" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
-            --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn ;;
-    int4head) run "llmc_llama-1b-int4head_bs1" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
-            --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn --set quant.lm_head=true ;;
-    int4mm) run "llmc_llama-1b-int4_bs1_mm" 200 $PY -m llmaccel.bench $L1 --passes fuse,quant \
-            --set quant.bits=4 --set quant.group_size=128 --set quant.method=rtn --linear mm ;;
-    mm) run "llmc_llama-1b_bs1_mm" 150 $PY -m llmaccel.bench $L1 --linear mm ;;
-    rows) run "llmc_llama-1b_bs1_rows" 150 $PY -m llmaccel.bench $L1 --linear rows ;;
-    nocustom) run "llmc_llama-1b_bs1_nocustom" 150 $PY -m llmaccel.bench $L1 --lower none ;;
-    tune) run "llmc_llama-1b_bs1_tune" 200 $PY -m llmaccel.bench $L1 --tune ;;
-    gemv) run "llmc_llama-1b_bs1_gemv" 150 $PY -m llmaccel.bench $L1 --linear gemv ;;
-    gemvnopdl) LLMACCEL_PDL=0 run "llmc_llama-1b_bs1_gemvnopdl" 150 $PY -m llmaccel.bench $L1 --linear gemv ;;
-    gemv7b) run "llmc_llama2-7b_bs1_gemv" 200 $PY -m llmaccel.bench preset:llama2-7b --batch 1 \
-            --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear gemv ;;
-    gemvsmol) run "llmc_smollm2-135m_bs1_gemv" 150 $PY -m llmaccel.bench preset:smollm2-135m \
-            --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear gemv ;;
-    smolrows) run "llmc_smollm2-135m_bs1_rows" 150 $PY -m llmaccel.bench preset:smollm2-135m \
-            --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --linear rows ;;
-    grouped) run "llmc_smollm2-135m_bs1_grouped" 150 $PY -m llmaccel.bench preset:smollm2-135m \
-            --batch 1 --prompt-len $P --gen-len $G --dtype bfloat16 --json --no-bw --attn grouped ;;
-    kv16) run "llmc_llama-1b_bs64_p4096" 300 $PY -m llmaccel.bench preset:llama-1b --batch 64 \
-            --prompt-len 4096 --gen-len $G --dtype bfloat16 --json --no-bw ;;
-    kv2) run "llmc_llama-1b-kv2_bs64_p4096" 300 $PY -m llmaccel.bench preset:llama-1b --batch 64 \
-            --prompt-len 4096 --gen-len $G --dtype bfloat16 --json --no-bw --passes fuse,kvquant \
-            --set kvquant.bits=2 ;;
-    *) echo "unknown variant $v (known: int4 int4head int4mm mm rows gemv gemvnopdl gemv7b gemvsmol smolrows nocustom tune grouped kv16 kv2)" ;;
+bench() {  # bench LABEL MAX_S SHAPE BATCH ARGS...
+  local label=$1 max=$2 shape=$3 b=$4
+  shift 4
+  run "$label" "$max" $PY -m llmaccel.bench "preset:$shape" --batch "$b" --prompt-len $P --gen-len $G \
+      --dtype bfloat16 --json --no-bw "$@"
+}
+peer() {  # peer SHAPE BATCH
+  [ "${PEER:-1}" = 1 ] && run "fast_$1_bs$2" 150 $PY $PEERS/peer_fast.py --shape "$1" --batch "$2" --prompt $P --gen $G
+}
+for row in $ROWS; do
+  case $row in
+    b1) peer llama-1b 1; bench llmc_llama-1b_bs1 240 llama-1b 1 ;;
+    b1s) bench llmc_llama-1b_bs1_sampled 200 llama-1b 1 $SAMPLED ;;
+    smol) peer smollm2-135m 1; bench llmc_smollm2-135m_bs1 200 smollm2-135m 1 ;;
+    smols) bench llmc_smollm2-135m_bs1_sampled 200 smollm2-135m 1 $SAMPLED ;;
+    b64) peer llama-1b 64; bench llmc_llama-1b_bs64 240 llama-1b 64 ;;
+    b64s) bench llmc_llama-1b_bs64_sampled 200 llama-1b 64 $SAMPLED ;;
+    w4) bench llmc_llama-1b-int4_bs1 240 llama-1b 1 --passes fuse,quant --set quant.bits=4 \
+          --set quant.group_size=128 --set quant.method=rtn ;;
+    7b) peer llama2-7b 1; bench llmc_llama2-7b_bs1 240 llama2-7b 1 ;;
+    load) run load_llama-1b_256 300 $PY scripts/gpu_runtime_check.py --load-only --graphs on ;;
+    *) echo "unknown row $row (known: b1 b1s smol smols b64 b64s w4 7b load)" ;;
   esac
 done
 
-$PY - "$J" <<'EOF'
-import json, sys
+$PY - "$J" "$OUT" <<'EOF2'
+import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-goals = {("llama-1b", 1): 1300, ("smollm2-135m", 1): 1500, ("llama-1b", 64): 40000, ("llama2-7b", 1): 285,
-         ("llama-1b-int4", 1): 2500}
 by = {r["label"]: r for r in rows}
-def tok(label):
-    r = by.get(label, {})
-    return r.get("decode_tok_s")
 fmt = lambda v, p=0: "-" if v is None else f"{v:,.{p}f}"
+GOALS = [("llama-1b bs1", "llmc_llama-1b_bs1", "fast_llama-1b_bs1", 1150),
+         ("llama-1b bs1 sampled", "llmc_llama-1b_bs1_sampled", "fast_llama-1b_bs1", None),
+         ("smollm2-135m bs1", "llmc_smollm2-135m_bs1", "fast_smollm2-135m_bs1", 2200),
+         ("smollm2-135m bs1 sampled", "llmc_smollm2-135m_bs1_sampled", "fast_smollm2-135m_bs1", None),
+         ("llama-1b bs64", "llmc_llama-1b_bs64", "fast_llama-1b_bs64", 40000),
+         ("llama-1b bs64 sampled", "llmc_llama-1b_bs64_sampled", "fast_llama-1b_bs64", None),
+         ("llama-1b W4 bs1", "llmc_llama-1b-int4_bs1", "fast_llama-1b_bs1", 1289),
+         ("llama2-7b bs1", "llmc_llama2-7b_bs1", "fast_llama2-7b_bs1", 270)]
 print()
-print(f"{'case':<20}{'llmc':>10}{'fast peer':>11}{'HF eager':>10}{'llmc/fast':>10}{'goal':>8}"
-      f"{'roofline':>10}{'% roof':>8}{'kern/step':>10}{'GPU ms':>8}{'step ms':>8}{'prefill ms':>11}")
-for (shape, b), goal in goals.items():
-    ours = by.get(f"llmc_{shape}_bs{b}", {})
-    peer = shape.removesuffix("-int4")  # int4 is compared with the bf16 peer
-    o, f, h = ours.get("decode_tok_s"), tok(f"fast_{peer}_bs{b}"), tok(f"hf_{peer}_bs{b}")
-    ratio = f"{o / f:.2f}x" if o and f else "-"
-    frac = ours.get("roofline_frac")
-    print(f"{shape + ' bs' + str(b):<20}{fmt(o):>10}{fmt(f):>11}{fmt(h):>10}{ratio:>10}{goal:>8,}"
-          f"{fmt(ours.get('roofline_tok_s')):>10}{fmt(frac and 100 * frac, 1):>8}"
-          f"{fmt(ours.get('kernels_per_step'), 1):>10}{fmt(ours.get('gpu_ms_per_step'), 3):>8}"
-          f"{fmt(ours.get('step_ms'), 3):>8}"
-          f"{fmt(ours.get('prefill_tok_s') and b * ours['prompt'] / ours['prefill_tok_s'] * 1e3, 2):>11}")
-for label in ("llmc_llama-1b-int4head_bs1", "llmc_llama-1b-int4_bs1_mm", "llmc_llama-1b_bs1_mm", "llmc_llama-1b_bs1_rows", "llmc_llama-1b_bs1_gemv",
-              "llmc_llama-1b_bs1_gemvnopdl", "llmc_llama2-7b_bs1_gemv", "llmc_smollm2-135m_bs1_gemv", "llmc_smollm2-135m_bs1_rows",
-              "llmc_llama-1b_bs1_nocustom",
-              "llmc_llama-1b_bs1_tune", "llmc_smollm2-135m_bs1_grouped"):
-    r = by.get(label)
-    if r is None or "error" in r:
-        continue
-    print(f"{label:<28} {fmt(r.get('decode_tok_s'))} tok/s, step {fmt(r.get('step_ms'), 3)} ms, "
-          f"{fmt(r.get('kernels_per_step'), 1)} kernels/step")
-kv16, kv2 = by.get("llmc_llama-1b_bs64_p4096", {}), by.get("llmc_llama-1b-kv2_bs64_p4096", {})
-for name, r in (("bf16 KV", kv16), ("KV2", kv2)):
-    if r.get("decode_tok_s"):
-        print(f"llama-1b bs64 prompt 4096, {name:<8} decode phase {fmt(r.get('decode_step_tok_s'))} tok/s "
-              f"(step {fmt(r.get('step_ms'), 3)} ms, {fmt(r.get('kernels_per_step'), 1)} kernels), whole generate "
-              f"{fmt(r.get('decode_tok_s'))} tok/s, prefill {fmt(r.get('prefill_tok_s'))} tok/s")
-if kv16.get("decode_step_tok_s") and kv2.get("decode_step_tok_s"):
-    print(f"KV2 / bf16 KV: decode phase {kv2['decode_step_tok_s'] / kv16['decode_step_tok_s']:.2f}x (goal 1.6x), "
-          f"whole generate {kv2['decode_tok_s'] / kv16['decode_tok_s']:.2f}x")
-errs = [r for r in rows if "error" in r]
-for r in errs:
-    print(f"FAILED {r['label']}: {r['error']}: {r.get('tail', '')[-200:]!r}")
+print(f"{'case':<26}{'LLM tok/s':>10}{'fast peer':>10}{'ratio':>7}{'goal':>8}{'step ms':>9}"
+      f"{'kern/step':>10}{'GPU ms':>8}{'% roof':>8}{'TTFT ms':>9}")
+for name, ours, peer, goal in GOALS:
+    o, f = by.get(ours, {}), by.get(peer, {})
+    a, b = o.get("decode_tok_s"), f.get("decode_tok_s")
+    frac = o.get("roofline_frac")
+    print(f"{name:<26}{fmt(a):>10}{fmt(b):>10}{(f'{a / b:.2f}x' if a and b else '-'):>7}{fmt(goal):>8}"
+          f"{fmt(o.get('step_ms'), 3):>9}{fmt(o.get('kernels_per_step'), 1):>10}"
+          f"{fmt(o.get('gpu_ms_per_step'), 3):>8}{fmt(frac and 100 * frac, 1):>8}"
+          f"{fmt(o.get('ttft_s') and 1e3 * o['ttft_s'], 1):>9}")
+load = os.path.join(sys.argv[2], "gpu_runtime_check.json")
+if os.path.exists(load):
+    for r in json.load(open(load)).get("load", []):
+        print(f"serving load: {r['requests']} requests, {fmt(r['output_tok_s'])} output tok/s "
+              f"(goal 40,000), mean TPOT {r['mean_tpot_ms']} ms, lengths ok {r['lengths_ok']}")
+for r in rows:
+    if "error" in r:
+        print(f"FAILED {r['label']}: {r['error']}: {r.get('tail', '')[-300:]!r}")
 print(f"\n{len(rows)} records in {sys.argv[1]}")
-EOF
+EOF2

@@ -16,7 +16,8 @@ def test_bench_prints_json(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
     assert res["batch"] == 2 and res["prompt"] == 6 and res["gen"] == 5
-    assert res["passes"] == ["fuse"] and res["device"] == "cpu" and res["compiled"] is False
+    assert res["passes"] == ["fuse"] and res["device"] == "cpu" and res["engine"] == "LLM"
+    assert res["decode_substeps"] >= 4  # the 4 tokens after the prefill's, in decode sub-steps
     for key in ("decode_tok_s", "prefill_tok_s", "tpot_ms", "peak_mem_bytes", "bytes_per_step"):
         assert res[key] > 0, key
     assert "decode" in out[1]
