@@ -102,6 +102,23 @@ def profile_decode(llm, ids, params, steps: int = 16) -> dict:
     return kernel_table(prof, steps)
 
 
+def kernel_table(prof, steps: int) -> dict:
+    """Kernels per step, GPU ms per step and every kernel's share, from a finished profiler run
+    over `steps` steps."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0)
+        if e.count and t and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
+            rows.append((e.key, e.count / steps, t / 1e3 / steps))
+    rows.sort(key=lambda r: -r[2])
+    return {"kernels_per_step": sum(r[1] for r in rows),
+            "gpu_ms_per_step": sum(r[2] for r in rows),
+            "top_kernels": [{"name": n[:80], "per_step": c, "ms": round(ms, 4)} for n, c, ms in rows[:10]],
+            "kernels": [{"name": n[:160], "per_step": c, "ms": round(ms, 5)} for n, c, ms in rows]}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -15,7 +15,8 @@ the n x rows new tokens once, then applies EOS, stop strings and max_tokens: a r
 early wasted at most n - 1 sub-steps; its extra KV entries lie past what it keeps.
 
 The forward is the IR graph lowered with select="all": custom ops for every op a kernel module
-registers; at one row on CUDA each linear is a fused GEMV (norm prologue, SiLU-mul / residual
+registers; RoPE, the KV write and the attention of a layer in one kernel
+(llmaccel::paged_rope_decode_attention, where `fuse_rope` finds the pattern); at one row on CUDA each linear is a fused GEMV (norm prologue, SiLU-mul / residual
 epilogues, int4 codes read in registers for `quant` graphs), at more rows GEMMs. On CUDA the
 sub-step is compiled by Inductor (the glue between kernels fused) before capture. Padding rows
 feed token 0 at position 0 over a table of the scratch block, which the block manager never
@@ -27,9 +28,11 @@ from __future__ import annotations
 
 import torch
 
+import llmaccel.kernels.paged_rope  # noqa: F401  (registers llmaccel::paged_rope_decode_attention)
 from llmaccel.codegen.lower import load_kernel_modules, lower
+from llmaccel.codegen.static_cache import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
-from llmaccel.runtime.sampler import row_uniforms, sample_rows  # noqa: F401  (row_uniforms: docs)
+from llmaccel.runtime.sampler import sample_rows
 
 MIN_WIDTH = 8  # blocks per table row in the narrowest graph
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
@@ -47,13 +50,25 @@ class DecodeContext:
 
     def __init__(self, cache: PagedKVCache, pos: torch.Tensor, tables: torch.Tensor):
         bs = cache.block_size
-        self.cache, self.tables = cache, tables
+        self.cache, self.tables, self.pos = cache, tables, pos
         blk = tables.gather(1, (pos // bs)[:, None].to(torch.int64))[:, 0].to(torch.int64)
         self.slots = blk * bs + pos % bs
         self.lens = (pos + 1).to(torch.int32)
 
-    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, **_):
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None, **_):
+        """rope: (cos, sin, positions) when q and k still lack their rotary embedding (graphs
+        rewritten by fuse_rope); k = v = None: q is the fused projection."""
         B = q.shape[1]
+        if rope is not None:  # one launch: RoPE, the KV write and the attention
+            if k is None:
+                args = (q.reshape(B, n_heads + 2 * n_kv_heads, head_dim), None, None)
+            else:
+                args = (q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
+                        v.reshape(B, n_kv_heads, head_dim))
+            out = torch.ops.llmaccel.paged_rope_decode_attention(
+                *args, self.cache.k[layer], self.cache.v[layer], self.pos, self.tables, *rope[:2],
+                scale=scale)
+            return out.reshape(1, B, n_heads * head_dim)
         out = torch.ops.llmaccel.paged_decode_attention(
             q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
             v.reshape(B, n_kv_heads, head_dim), self.cache.k[layer], self.cache.v[layer],
@@ -127,7 +142,9 @@ class DecodeRunner:
         fn = self.fns.get((kind, mode))
         if fn is None:
             if kind not in self.lowered:
-                self.lowered[kind], _ = lower(self.ir, max_len=self.max_len, select="all", linear=kind)
+                gm, _ = lower(self.ir, max_len=self.max_len, select="all", linear=kind)
+                fuse_rope(gm)  # RoPE into the paged decode attention
+                self.lowered[kind] = gm
             gm, cache = self.lowered[kind], self.cache
 
             def fn(buf):

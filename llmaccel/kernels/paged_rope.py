@@ -1,0 +1,196 @@
+"""Paged decode attention with RoPE and the KV write inside: one launch per layer (plus the
+split merge) for a decode step of the runtime.
+
+  llmaccel::paged_rope_decode_attention(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin,
+                                        *, scale) -> (B, H, D)
+      q (B, H, D), k, v (B, Hkv, D) before their rotary embedding, or k = v = None with q the
+      fused projection's rows (B, H + 2 Hkv, D) read in place; pos (B,) int64 the position of
+      each row's new token; block_tables (B, W) int32; cos / sin (max_len, D) fp32 tables.
+      Rotates q and k at pos (rotate-half layout, as ops.rope), writes k, v at slot
+      table[pos // bs] * bs + pos % bs of the paged cache (blocks, bs, Hkv, D), and returns
+      softmax(q K[0..pos]^T * scale) V[0..pos] per row.
+
+Without it a decode layer spends the rotation's pointwise kernels, two index_copy_ writes and
+the attention (docs/runtime.md); at one row on small models, launches are the cost. The Triton
+kernel is the static cache's fused decode kernel (static_attention.py) reading through the
+block table: cached slots 0 .. pos - 1 split into parts run in parallel and merged by
+log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
+also stores them; no program reads that slot, so there is no race). The split count depends on
+the table width only, so a captured CUDA graph stays valid as positions advance within it.
+CPU implementation: the reference; CUDA: Triton.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmaccel.kernels import cdiv, registered, sm_count, unit_stride
+from llmaccel.kernels.paged_attention import decode_splits, paged_decode_ref, write_kv_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference works without triton
+    triton = None
+
+
+def split_fused(q, k, v, n_kv: int):
+    """(q, k, v); with k = v = None, views of q's rows (B, H + 2 Hkv, D)."""
+    if k is not None:
+        return q, k, v
+    return q.split([q.shape[1] - 2 * n_kv, n_kv, n_kv], dim=1)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (B, heads, D), row b at position pos[b]: the tables rounded to x's
+    dtype as ops.rope does, products and sum in fp32, rounded once."""
+    c = cos[pos].to(x.dtype).float()[:, None, :]
+    s = sin[pos].to(x.dtype).float()[:, None, :]
+    h = x.float()
+    x1, x2 = h.chunk(2, dim=-1)
+    return (h * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype)
+
+
+def slots_of(pos: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    blk = block_tables.gather(1, (pos // block_size)[:, None].long())[:, 0].long()
+    return blk * block_size + pos % block_size
+
+
+def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float):
+    q, k, v = split_fused(q, k, v, k_cache.shape[2])
+    q, k = rope_rows(q, cos, sin, pos), rope_rows(k, cos, sin, pos)
+    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, k_cache.shape[1]))
+    return paged_decode_ref(q, k_cache, v_cache, block_tables, (pos + 1).to(torch.int32), scale)
+
+
+if triton is not None:
+    from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
+                                                  _softmax_block, _softmax_init, _softmax_result)
+    from llmaccel.kernels.static_attention import _rotate
+
+    @triton.jit
+    def _paged_rope_decode_kernel(Q, K, V, KC, VC, POS, BT, O, MID_O, MID_LSE, COS, SIN, scale,
+                                  split_len, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_blk, sc_s, sc_h,
+                                  sbt, s_cos, so_b, so_h, smo_s, smo_h, smo_p, sml_s, sml_h,
+                                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
+                                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        P = tl.load(POS + b).to(tl.int32)
+        start = sp * split_len
+        stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
+        q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
+        c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
+        s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
+        q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
+                    g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
+        m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
+        for n0 in range(start, stop, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < stop
+            blk = tl.load(BT + b * sbt + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
+            base = blk * sc_blk + (offs_n % BS) * sc_s + kvh * sc_h
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
+        if (P >= start) & (P < start + split_len):  # this split owns slot pos
+            kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
+            vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=d_ok, other=0.0)
+            kn = _rotate(kn, K + b * sk_b, kvh, sk_h, offs_d, d_ok, c, s, D)
+            blk = tl.load(BT + b * sbt + P // BS).to(tl.int64)
+            slot = blk * sc_blk + (P % BS) * sc_s + kvh * sc_h + offs_d
+            tl.store(KC + slot, kn.to(KC.dtype.element_ty), mask=d_ok)
+            tl.store(VC + slot, vn.to(VC.dtype.element_ty), mask=d_ok)
+            # the new key and value in the cache's precision, as the reference reads them back
+            kn = kn.to(KC.dtype.element_ty).to(q.dtype).to(tl.float32)
+            vn = vn.to(VC.dtype.element_ty).to(q.dtype).to(tl.float32)
+            qk = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale
+            m_new = tl.maximum(m_i, qk)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
+            m_i = m_new
+        acc, lse = _softmax_result(acc, l_i, m_i)
+        om = g_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            tl.store(MID_O + b * smo_s + heads[:, None] * smo_h + sp * smo_p + offs_d[None, :], acc,
+                     mask=om)
+            tl.store(MID_LSE + b * sml_s + heads * sml_h + sp, lse, mask=g_ok)
+        else:
+            tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :],
+                     acc.to(O.dtype.element_ty), mask=om)
+
+
+def _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin):
+    B, H, D = q.shape
+    nb, BS, Hkv, Dc = k_cache.shape
+    if v_cache.shape != k_cache.shape or Dc != D or H % Hkv or k.shape != (B, Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"paged rope decode: q {tuple(q.shape)}, k {tuple(k.shape)}, cache "
+                         f"{tuple(k_cache.shape)} disagree")
+    if pos.shape != (B,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"paged rope decode: pos {tuple(pos.shape)} and tables "
+                         f"{tuple(block_tables.shape)} must have one row per query row ({B})")
+    if cos.shape != sin.shape or cos.shape[-1] != D or D % 2 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"paged rope decode: rope tables {tuple(cos.shape)} do not fit head_dim {D}")
+
+
+def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
+                             num_splits: int | None = None) -> torch.Tensor:
+    q, k, v = split_fused(q, k, v, k_cache.shape[2])
+    _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin)
+    B, H, D = q.shape
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)  # fused-qkv views read in place
+    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    max_len = block_tables.shape[1] * BS
+    n = num_splits or decode_splits(B, Hkv, max_len, BLOCK_N, sm_count(q.device) if q.is_cuda else 132)
+    split_len = cdiv(cdiv(max_len, n), BLOCK_N) * BLOCK_N
+    n = cdiv(max_len, split_len)
+    if n > 1:
+        mid_o = torch.empty((B, H, n, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H, n), dtype=torch.float32, device=q.device)
+    else:
+        mid_o, mid_lse = out, out  # unused (SPLIT=False); any tensors with the strides read
+    G = H // Hkv
+    _paged_rope_decode_kernel[(B, Hkv, n)](
+        q, k, v, k_cache, v_cache, pos, block_tables, out, mid_o, mid_lse, cos, sin, scale, split_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), cos.stride(0),
+        out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
+        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32)
+    if n > 1:
+        _paged_decode_reduce_kernel[(B, H)](
+            mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            D=D, BLOCK_D=BLOCK_D, BLOCK_P=max(2, triton.next_power_of_2(n)))
+    return out
+
+
+if not registered("paged_rope_decode_attention"):
+    @torch.library.custom_op("llmaccel::paged_rope_decode_attention", mutates_args=("k_cache", "v_cache"))
+    def paged_rope_decode_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                                    k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                                    block_tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                                    scale: float) -> torch.Tensor:
+        """Rotate q, k at pos, write k, v at pos's slot, attend q over slots 0 .. pos per row;
+        k = v = None: q is (B, H + 2 Hkv, D)."""
+        return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
+
+    @paged_rope_decode_attention.register_fake
+    def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
+        B, H, D = split_fused(q, k, v, k_cache.shape[2])[0].shape
+        return q.new_empty((B, H, D))
+
+    if triton is not None:
+        @paged_rope_decode_attention.register_kernel("cuda")
+        def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
+            return paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
