@@ -26,6 +26,8 @@ Without capture (the CPU) the same sub-step runs eagerly on the same buffers.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import llmaccel.kernels.paged_rope  # noqa: F401  (registers llmaccel::paged_rope_decode_attention)
@@ -122,10 +124,11 @@ class DecodeRunner:
         # one row on CUDA: the fused Triton GEMVs, when their kernel module loads
         self.gemv = cuda and load_kernel_modules().get("gemv") == "ok"
         self.lowered: dict[str, torch.fx.GraphModule] = {}
-        self.fns: dict[tuple[str, str], object] = {}
+        self.fns: dict[tuple[str, str, bool], object] = {}
         self.graphs: dict[tuple[int, int, str], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
+        self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
 
     def bucket(self, n: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) shape that takes n rows of tables up to width blocks."""
@@ -137,9 +140,10 @@ class DecodeRunner:
             w *= 2
         return b, min(w, max(self.max_blocks, width))
 
-    def _fn(self, B: int, mode: str):
+    def _fn(self, B: int, mode: str, compiled: bool = True):
         kind = "gemv" if B == 1 and self.gemv else "mm"
-        fn = self.fns.get((kind, mode))
+        compiled = compiled and self.compile
+        fn = self.fns.get((kind, mode, compiled))
         if fn is None:
             if kind not in self.lowered:
                 gm, _ = lower(self.ir, max_len=self.max_len, select="all", linear=kind)
@@ -149,9 +153,9 @@ class DecodeRunner:
 
             def fn(buf):
                 _substep(gm, cache, mode, buf)
-            if self.compile:
+            if compiled:
                 fn = torch.compile(fn, fullgraph=True)
-            self.fns[(kind, mode)] = fn
+            self.fns[(kind, mode, compiled)] = fn
         return fn
 
     def _graph(self, key):
@@ -167,21 +171,30 @@ class DecodeRunner:
                             (buf.top_p, (0,)), (buf.top_k, (0,)), (buf.seeds, (0,)), (buf.out, (0,))):
                 for d in dims:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        if not self.capture:
-            hit = (None, buf, fn)
-        else:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up outside the capture (compiles here)
-                fn(buf)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            buf.i.zero_()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                fn(buf)
-            hit = (g, buf, fn)
+        hit = (None, buf, fn)
+        if self.capture:
+            try:
+                hit = (self._capture(fn, buf), buf, fn)
+            except Exception as e:  # noqa: BLE001 - compile or capture: this shape runs eagerly
+                self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                warnings.warn(f"decode steps of {B} rows ({mode}) run eagerly: compiling or "
+                              f"capturing them failed ({self.failures[key]})")
+                buf.i.zero_()
+                hit = (None, buf, self._fn(B, mode, compiled=False))
         self.graphs[key] = hit
         return hit
+
+    def _capture(self, fn, buf) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture (compiles here)
+            fn(buf)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        buf.i.zero_()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            fn(buf)
+        return g
 
     def run(self, rows: list[tuple], n_steps: int, mode: str) -> list[list[int]] | None:
         """n_steps new tokens per row, rows = (block_table, position, token, temperature, top_k,
@@ -201,7 +214,7 @@ class DecodeRunner:
                 fn(buf)
             else:
                 g.replay()
-        self.replays += n_steps
+        self.replays += n_steps if g is not None else 0
         return buf.out[:len(rows), :n_steps].tolist()
 
     def _fill(self, buf: _Buffers, rows, tables) -> None:

@@ -292,15 +292,7 @@ class LLM:
             bm.grow(seq, seq.num_computed + n)
         rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
                  s.params.top_p, s.seed) for s in seqs]
-        try:
-            out = self.runner.run(rows, n, sample_mode([s.params for s in seqs]))
-        except RuntimeError as e:  # an op of this graph that a CUDA graph cannot hold
-            if not self.runner.capture:
-                raise
-            warnings.warn(f"decode steps run eagerly from now on: capturing their CUDA graph "
-                          f"failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-            self.runner = None
-            out = None
+        out = self.runner.run(rows, n, sample_mode([s.params for s in seqs]))
         if out is None:
             for seq in seqs:
                 bm.trim(seq, seq.num_computed + 1)
@@ -399,7 +391,9 @@ class LLM:
                  spec_accept_rate=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
                  spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0,
                  graph_steps=self.runner.replays if self.runner is not None else 0,
-                 graphs_captured=len(self.runner.graphs) if self.runner is not None and self.runner.capture else 0)
+                 graphs_captured=sum(g is not None for g, _, _ in self.runner.graphs.values())
+                 if self.runner is not None else 0,
+                 graph_failures=dict(self.runner.failures) if self.runner is not None else {})
         if self.kivi:
             s.update(kivi_metrics(self.cache, self.bm))
         return s

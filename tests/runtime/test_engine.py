@@ -243,3 +243,22 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
     got = [o.token_ids for o in graphs.generate(many, params)]
     assert got == want
     assert max(b for b, _, _ in graphs.runner.graphs) >= 32
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monkeypatch):
+    """A decode shape whose compile or CUDA-graph capture fails runs uncaptured, with a warning
+    and the reason in metrics; the output is unchanged."""
+    from llmaccel.runtime.decode import DecodeRunner
+
+    def fail(self, fn, buf):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeRunner, "_capture", fail)
+    llm = LLM(tiny)
+    llm.runner.capture = True
+    with pytest.warns(UserWarning, match="run eagerly"):
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    m = llm.metrics()
+    assert m["graphs_captured"] == 0 and m["decode_steps"] > 0
+    assert all("not permitted" in why for why in m["graph_failures"].values())
