@@ -118,6 +118,8 @@ if os.path.exists(load):
         print(f"serving load: {r['requests']} requests, {fmt(r['output_tok_s'])} output tok/s "
               f"(goal 40,000), mean TPOT {r['mean_tpot_ms']} ms, lengths ok {r['lengths_ok']}")
 for r in rows:
+    for k, why in (r.get("graph_failures") or {}).items():
+        print(f"{r['label']}: decode shape {k} uncaptured: {why}")
     if "error" in r:
         print(f"FAILED {r['label']}: {r['error']}: {r.get('tail', '')[-300:]!r}")
 print(f"\n{len(rows)} records in {sys.argv[1]}")

@@ -209,7 +209,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "kv_bytes_per_step": int(kv_bytes), "bytes_per_step": int(step_bytes), "load_s": load_s,
         "warmup_s": warm_s, "torch": torch.__version__,
         "engine_steps": m1["steps"] - m0["steps"], "decode_substeps": m1["decode_steps"] - m0["decode_steps"],
-        "graphs_captured": m1["graphs_captured"],
+        "graphs_captured": m1["graphs_captured"], "graph_failures": {str(k): v for k, v in m1["graph_failures"].items()},
         "spec_accept_rate": m1["spec_accept_rate"] if speculative else None,
     }
     if dev.type == "cuda" and profile and gen_len > 16:
