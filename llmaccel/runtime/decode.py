@@ -105,6 +105,19 @@ def _substep(gm, cache: PagedKVCache, mode: str, buf: _Buffers) -> None:
     buf.i.add_(1)
 
 
+def _recompiles_allowed(compiled):
+    """compiled, called with Dynamo's recompile limit raised: every variant of the sub-step
+    (kinds, sampling modes, batch buckets) shares one code object, hence one count, which
+    the default limit (8) would cut short. Scoped to the call, not set process-wide."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+
+    def call(buf):
+        with cfg.patch(**{name: 256}):
+            return compiled(buf)
+    return call
+
+
 class DecodeRunner:
     """Decode sub-steps of the IR graph `gm` over `cache`, whose last block is the scratch
     block of the padding rows.
@@ -154,7 +167,7 @@ class DecodeRunner:
             def fn(buf):
                 _substep(gm, cache, mode, buf)
             if compiled:
-                fn = torch.compile(fn, fullgraph=True)
+                fn = _recompiles_allowed(torch.compile(fn, fullgraph=True))
             self.fns[(kind, mode, compiled)] = fn
         return fn
 
@@ -166,11 +179,13 @@ class DecodeRunner:
         buf = _Buffers(B, W, self.device)
         buf.tables.fill_(self.scratch)
         fn = self._fn(B, mode)
-        if B > 1 and self.compile:  # one Inductor graph for every batch and width of this kind
-            for t, dims in ((buf.ids, (0,)), (buf.pos, (0,)), (buf.tables, (0, 1)), (buf.temp, (0,)),
-                            (buf.top_p, (0,)), (buf.top_k, (0,)), (buf.seeds, (0,)), (buf.out, (0,))):
-                for d in dims:
-                    torch._dynamo.maybe_mark_dynamic(t, d)
+        if self.compile:  # one Inductor graph for every width (and batch, see below) of this kind
+            torch._dynamo.maybe_mark_dynamic(buf.tables, 1)
+        if B > 1 and self.compile and mode == "greedy":
+            # ... and every batch of the greedy steps; sampling modes compile per batch bucket
+            # (Inductor 2.11 fails to generate the cumsum's split scan over a dynamic row count)
+            for t in (buf.ids, buf.pos, buf.tables, buf.temp, buf.top_p, buf.top_k, buf.seeds, buf.out):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         hit = (None, buf, fn)
         if self.capture:
             try:
