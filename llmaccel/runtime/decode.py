@@ -18,7 +18,9 @@ The forward is the IR graph lowered with select="all": custom ops for every op a
 registers; RoPE, the KV write and the attention of a layer in one kernel
 (llmaccel::paged_rope_decode_attention, where `fuse_rope` finds the pattern); at one row on CUDA each linear is a fused GEMV (norm prologue, SiLU-mul / residual
 epilogues, int4 codes read in registers for `quant` graphs), at more rows GEMMs. On CUDA the
-sub-step is compiled by Inductor (the glue between kernels fused) before capture. Padding rows
+sub-step's forward is compiled by Inductor (the glue between kernels fused) before capture; the
+sampler runs in aten ops inside the same graph (Inductor 2.11 fails to generate a cumsum over a
+dynamic row count). Padding rows
 feed token 0 at position 0 over a table of the scratch block, which the block manager never
 hands out; their outputs are discarded.
 
@@ -26,6 +28,7 @@ Without capture (the CPU) the same sub-step runs eagerly on the same buffers.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -94,10 +97,15 @@ class _Buffers:
         self.out = torch.zeros(B, MAX_STEPS, dtype=torch.int64, **z)
 
 
-def _substep(gm, cache: PagedKVCache, mode: str, buf: _Buffers) -> None:
+def _forward(gm, cache: PagedKVCache, buf: _Buffers) -> torch.Tensor:
+    """Logits (B, V) of the buffers' tokens at their positions."""
     B = buf.ids.shape[0]
     ctx = DecodeContext(cache, buf.pos, buf.tables)
-    logits = gm(buf.ids.view(1, B), buf.pos.view(1, B), ctx)[0]
+    return gm(buf.ids.view(1, B), buf.pos.view(1, B), ctx)[0]
+
+
+def _advance(buf: _Buffers, logits: torch.Tensor, mode: str) -> None:
+    """Sample the next tokens, record them, and move the rows one position on."""
     nxt = sample_rows(logits, buf.temp, buf.top_k, buf.top_p, buf.seeds, buf.pos + 1, mode)
     buf.out.index_copy_(1, buf.i, nxt[:, None])
     buf.ids.copy_(nxt)
@@ -106,9 +114,9 @@ def _substep(gm, cache: PagedKVCache, mode: str, buf: _Buffers) -> None:
 
 
 def _recompiles_allowed(compiled):
-    """compiled, called with Dynamo's recompile limit raised: every variant of the sub-step
-    (kinds, sampling modes, batch buckets) shares one code object, hence one count, which
-    the default limit (8) would cut short. Scoped to the call, not set process-wide."""
+    """compiled, called with Dynamo's recompile limit raised: the forwards of both kinds share
+    one code object, hence one count, which shape specializations could push past the default
+    limit (8). Scoped to the call, not set process-wide."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
 
@@ -137,7 +145,7 @@ class DecodeRunner:
         # one row on CUDA: the fused Triton GEMVs, when their kernel module loads
         self.gemv = cuda and load_kernel_modules().get("gemv") == "ok"
         self.lowered: dict[str, torch.fx.GraphModule] = {}
-        self.fns: dict[tuple[str, str, bool], object] = {}
+        self.fns: dict[tuple[str, bool], object] = {}
         self.graphs: dict[tuple[int, int, str], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
@@ -154,22 +162,21 @@ class DecodeRunner:
         return b, min(w, max(self.max_blocks, width))
 
     def _fn(self, B: int, mode: str, compiled: bool = True):
+        """The sub-step: the forward (compiled by Inductor when asked: the glue between kernels
+        fused), then the sampler and the state update in plain aten ops (captured with it)."""
         kind = "gemv" if B == 1 and self.gemv else "mm"
         compiled = compiled and self.compile
-        fn = self.fns.get((kind, mode, compiled))
-        if fn is None:
+        fwd = self.fns.get((kind, compiled))
+        if fwd is None:
             if kind not in self.lowered:
                 gm, _ = lower(self.ir, max_len=self.max_len, select="all", linear=kind)
                 fuse_rope(gm)  # RoPE into the paged decode attention
                 self.lowered[kind] = gm
-            gm, cache = self.lowered[kind], self.cache
-
-            def fn(buf):
-                _substep(gm, cache, mode, buf)
+            fwd = functools.partial(_forward, self.lowered[kind], self.cache)
             if compiled:
-                fn = _recompiles_allowed(torch.compile(fn, fullgraph=True))
-            self.fns[(kind, mode, compiled)] = fn
-        return fn
+                fwd = _recompiles_allowed(torch.compile(fwd, fullgraph=True))
+            self.fns[(kind, compiled)] = fwd
+        return lambda buf: _advance(buf, fwd(buf), mode)
 
     def _graph(self, key):
         hit = self.graphs.get(key)
@@ -179,13 +186,11 @@ class DecodeRunner:
         buf = _Buffers(B, W, self.device)
         buf.tables.fill_(self.scratch)
         fn = self._fn(B, mode)
-        if self.compile:  # one Inductor graph for every width (and batch, see below) of this kind
+        if self.compile:  # one Inductor graph for every width (and batch >= 2) of a kind
             torch._dynamo.maybe_mark_dynamic(buf.tables, 1)
-        if B > 1 and self.compile and mode == "greedy":
-            # ... and every batch of the greedy steps; sampling modes compile per batch bucket
-            # (Inductor 2.11 fails to generate the cumsum's split scan over a dynamic row count)
-            for t in (buf.ids, buf.pos, buf.tables, buf.temp, buf.top_p, buf.top_k, buf.seeds, buf.out):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+            if B > 1:
+                for t in (buf.ids, buf.pos, buf.tables):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         hit = (None, buf, fn)
         if self.capture:
             try:
