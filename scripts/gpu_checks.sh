@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of checks and kernel benchmarks, each under its own time limit, with
 # the whole run kept under DEADLINE seconds (default 560). Logs and JSON go to $OUT.
-#   OUT=/dir STEPS="tests gemv bitlinear sla sparse spec probe ncu stests attn" scripts/gpu_checks.sh
+#   OUT=/dir STEPS="tests gemv bitlinear sla sparse spec probe ncu" scripts/gpu_checks.sh
 # spec needs the real SmolLM2 GGUF at $GGUF (default /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf).
 set -u
 OUT=${OUT:-out/gpu_checks}
@@ -37,9 +37,6 @@ for s in $STEPS; do
     sparse) run sparse 60 $PY scripts/gpu_sparse_bench.py ;;
     spec) run spec 240 $PY -m llmaccel.bench "$GGUF" --prompt "$PROMPT" --gen-len 256 --dtype bfloat16 \
             --speculative self:4,self:8,self:15,ngram --no-profile --json ;;
-    stests) run static_tests 240 $PY -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_static_attention.py \
-              tests/codegen/test_codegen_cuda.py ;;
-    attn) run attn_probe 150 $PY scripts/gpu_attn_probe.py --out "$OUT/attn_probe.json" ;;
     qtests) run quant_tests 150 $PY -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_quant_linear.py ;;
     probe) run int4_probe 200 $PY scripts/gpu_int4_probe.py ;;
     ncu)  # Nsight Compute on the int4 GEMV's default tiles: the LM head and a gate/up matrix

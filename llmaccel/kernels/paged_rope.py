@@ -12,8 +12,8 @@ split merge) for a decode step of the runtime.
 
 Without it a decode layer spends the rotation's pointwise kernels, two index_copy_ writes and
 the attention (docs/runtime.md); at one row on small models, launches are the cost. The Triton
-kernel is the static cache's fused decode kernel (static_attention.py) reading through the
-block table: cached slots 0 .. pos - 1 split into parts run in parallel and merged by
+kernel reads the cache through the block table: cached slots 0 .. pos - 1 split into parts run
+in parallel and merged by
 log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
 also stores them; no program reads that slot, so there is no race). The split count depends on
 the table width only, so a captured CUDA graph stays valid as positions advance within it.
@@ -65,7 +65,17 @@ def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
 if triton is not None:
     from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
                                                   _softmax_block, _softmax_init, _softmax_result)
-    from llmaccel.kernels.static_attention import _rotate
+
+    @triton.jit
+    def _rotate(x, X, rows, s_row, offs_d, ok, c, s, D: tl.constexpr):
+        """x (rows at X + rows * s_row) with its rotary embedding: x * c + rotate_half(x) * s in
+        fp32 (c, s the table rows at pos, rounded to x's dtype), rounded to x's dtype once."""
+        HALF: tl.constexpr = D // 2
+        low = offs_d < HALF
+        partner = tl.where(low, offs_d + HALF, offs_d - HALF)
+        xp = tl.load(X + rows * s_row + partner, mask=ok, other=0.0).to(tl.float32)
+        rot = tl.where(low, -xp, xp)
+        return (x.to(tl.float32) * c + rot * s).to(x.dtype)
 
     @triton.jit
     def _paged_rope_decode_kernel(Q, K, V, KC, VC, POS, BT, O, MID_O, MID_LSE, COS, SIN, scale,

@@ -35,7 +35,7 @@ import torch
 
 import llmaccel.kernels.paged_rope  # noqa: F401  (registers llmaccel::paged_rope_decode_attention)
 from llmaccel.codegen.lower import load_kernel_modules, lower
-from llmaccel.codegen.static_cache import fuse_rope
+from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
 from llmaccel.runtime.sampler import sample_rows
 

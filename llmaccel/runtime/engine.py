@@ -6,6 +6,7 @@ from typing import Iterator
 
 import torch
 
+from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sla import linear_attention
@@ -63,7 +64,11 @@ class LLM:
         self.device, self.dtype = self.model.device, self.model.dtype
         self.cfg = self.model.config
         self.eos = self.cfg.eos_ids
-        self.gm = runtime_graph(self.model.gm)
+        # prefill, mixed and verification steps: the runtime graph lowered to the project's
+        # kernels (int4 / int8 linears, ...), as the decode steps are; GEMMs for the linears
+        rt = runtime_graph(self.model.gm)
+        self.gm, _ = lower(rt, max_len=self.cfg.max_position, select="all", linear="mm")
+        self.gm.selects_rows = getattr(rt, "selects_rows", False)
         layers = attention_layers(self.model.gm)
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
         if any(n.op == "call_function" and n.target is linear_attention for n in self.model.gm.graph.nodes):

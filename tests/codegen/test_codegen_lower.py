@@ -8,7 +8,7 @@ import torch._dynamo
 
 from llmaccel import ops
 from llmaccel.codegen.lower import lower
-from llmaccel.codegen.static_cache import StaticKVCache
+from llmaccel.compiler import executor
 from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 
@@ -43,9 +43,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # no bias: 
 
 
 def _run(gm, ids, batch, cache=None):
-    cache = cache or StaticKVCache.for_graph(gm, batch, 32, torch.float32, "cpu")
-    pos = torch.arange(ids.shape[1])
-    return gm(ids, pos.expand(batch, -1), cache.bind(pos))
+    cache = cache or executor.make_cache(gm, batch, 32, torch.float32, "cpu")
+    return executor.forward(gm, ids, 0, cache)
 
 
 def test_custom_ops_replace_matching_nodes():
@@ -69,7 +68,7 @@ def test_select_limits_lowering_and_traces_whole():
     ids = torch.randint(0, 512, (1, 6))
     ref = _run(low, ids, 1)
     torch._dynamo.reset()
-    cache = StaticKVCache.for_graph(low, 1, 32, torch.float32, "cpu")
-    out = torch.compile(lambda i: _run(low, i, 1, cache), backend="aot_eager", fullgraph=True)(ids)
+    pos = torch.arange(ids.shape[1])[None]
+    out = torch.compile(lambda i: low(i, pos, None), backend="aot_eager", fullgraph=True)(ids)
     torch.testing.assert_close(out, ref)
     assert lower(m.gm, max_len=32, select="none", namespace=NS)[1].custom == {}
