@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from llmaccel.errors import LlmaccelError
 
@@ -62,12 +63,21 @@ def cmd_generate(a) -> None:
     model = load(a.src, dtype=a.dtype, device=a.device)
     llm = LLM(model, speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)
     prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
+    t0, first = time.perf_counter(), None
     for piece in llm.stream(prompt, params):
+        first = first or time.perf_counter()
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if a.stats:
-        print(json.dumps(llm.metrics()), file=sys.stderr)
+        wall = time.perf_counter() - t0
+        m = llm.metrics()
+        n = m["generated_tokens"]
+        # wall time of the whole request (load and compile excluded), first text included
+        m.update(wall_s=round(wall, 4), tok_s=round(n / wall, 2) if wall > 0 else None,
+                 first_text_s=round(first - t0, 4) if first else None)
+        print(f"{n} tokens in {wall:.3f} s: {n / wall:.1f} tok/s", file=sys.stderr)
+        print(json.dumps(m), file=sys.stderr)
 
 
 def cmd_show(a) -> None:

@@ -12,6 +12,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import MAX_STEPS, DecodeRunner
+from llmaccel.runtime.detokenize import IncrementalDetokenizer, find_stop
 from llmaccel.runtime.graph import layerskip_draft, runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
@@ -210,16 +211,25 @@ class LLM:
         seq = self.add_request(prompt, params)
         if seq.error:
             raise LlmaccelError(seq.error)
-        shown = ""
+        shown = 0
         while True:
             done = seq.finished
-            text = self._text(seq)
-            if (done or not text.endswith("\ufffd")) and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
+            if self.model.tokenizer_dir is not None:
+                self._detok(seq).update(seq.output_ids)
+                text = seq.detok.text if seq.stop_cut is None else seq.detok.text[: seq.stop_cut]
+                if done:  # the last characters, complete or not, as generate returns them
+                    text = self._text(seq)
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
             if done:
                 return
             self.step()
+
+    def _detok(self, seq: Sequence) -> IncrementalDetokenizer:
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.model.tokenizer)
+        return seq.detok
 
     def _text(self, seq: Sequence) -> str:
         if self.model.tokenizer_dir is None:
@@ -241,8 +251,9 @@ class LLM:
             seq.token_ids.append(t)
             self.stats["generated_tokens"] += 1
             if p.stop and self.model.tokenizer_dir is not None:
-                text = self.model.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-                cut = min((text.find(s) for s in p.stop if s in text), default=-1)
+                # the new text only: the tail where a stop string could end
+                delta = self._detok(seq).update(seq.output_ids)
+                cut = find_stop(seq.detok.text, p.stop, len(delta)) if delta else -1
                 if cut >= 0:
                     seq.stop_cut, seq.finish_reason = cut, "stop"
                     return

@@ -54,6 +54,7 @@ class Sequence:
         self.error: str | None = None
         self.text = ""
         self.stop_cut: int | None = None  # text length where a stop string begins
+        self.detok = None  # IncrementalDetokenizer, made by the engine when text is needed
         # sampled tokens are drawn by (seed, position) (sampler.row_uniforms); the generator
         # serves speculative verification's rejection sampling
         self.seed = request_seed(params)
