@@ -105,6 +105,8 @@ def cmd_passes(a) -> None:
 
     for name, cls in registry().items():
         print(f"{name:<10} {'exact' if cls.exact else 'approximate':<12} {cls.summary}")
+        if cls.before:
+            print(f"    runs before: {', '.join(cls.before)}")
         for key, (tp, default) in option_fields(cls.config_cls).items():
             print(f"    {name}.{key}: {describe_type(tp)} = {default}")
 

@@ -20,8 +20,15 @@ def parse_pass_list(passes) -> list[str]:
     if isinstance(passes, str):
         passes = [p for p in passes.split(",")]
     names = [p.strip() for p in passes if p.strip()]
-    for n in names:
-        get_pass(n)
+    for i, n in enumerate(names):
+        cls = get_pass(n)
+        if n in names[:i]:
+            raise LlmaccelError(f"pass {n!r} is listed twice; a pass runs once")
+        early = [m for m in names[:i] if m in cls.before]
+        if early:  # refused before any work: some passes rewrite what this one reads
+            order = ",".join([n] + [m for m in names if m != n])
+            raise LlmaccelError(f"{n} must run before {', '.join(early)} (it reads the layers "
+                                f"they rewrite); reorder the passes, e.g. --passes {order}")
     return names
 
 

@@ -69,6 +69,9 @@ class Pass:
     summary: ClassVar[str]
     exact: ClassVar[bool] = True
     config_cls: ClassVar[type] = NoOptions
+    # passes that must not run before this one (they rewrite what it reads); the pipeline
+    # refuses such an order before any work
+    before: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config=None):
         self.config = config if config is not None else self.config_cls()

@@ -106,6 +106,7 @@ def _lambda_node(gm: torch.fx.GraphModule, before: torch.fx.Node) -> torch.fx.No
 
 class Bitlinear(Pass):
     name = "bitlinear"
+    before = ("fuse",)
     summary = "BitNet b1.58: ternary weights, int8 activations, RMSNorm fused into the BitLinear op"
     exact = False
     config_cls = BitlinearConfig

@@ -35,3 +35,16 @@ def test_parse_sets():
 def test_options_for_pass_not_in_list():
     with pytest.raises(LlmaccelError, match="not in the pass list"):
         compile("preset:tiny-llama", [], {"fuse": {"norms": "false"}}, progress=False)
+
+
+def test_pass_order_and_repeats_refused_before_any_work():
+    import time
+
+    t = time.perf_counter()
+    with pytest.raises(LlmaccelError, match=r"gqa must run before quant.*--passes gqa,quant"):
+        compile("preset:tiny-llama", ["quant", "gqa"], progress=False, eval_tokens=0)
+    with pytest.raises(LlmaccelError, match="bitlinear must run before fuse"):
+        compile("preset:tiny-llama", "fuse,bitlinear", progress=False, eval_tokens=0)
+    with pytest.raises(LlmaccelError, match="listed twice"):
+        compile("preset:tiny-llama", "quant,quant", progress=False, eval_tokens=0)
+    assert time.perf_counter() - t < 5  # refused before loading or calibrating anything
