@@ -50,11 +50,14 @@ def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Gener
 
 @torch.no_grad()
 def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
-                   batch: int = 4) -> torch.Tensor:
+                   batch: int | None = None) -> torch.Tensor:
     """Seeded samples (temperature 1) from `model`, concatenated to n_tokens ids.
 
-    Lets fidelity be measured, and passes be calibrated, with no data file at all.
+    Lets fidelity be measured, and passes be calibrated, with no data file at all. Rows are
+    sampled `batch` at a time (default: as many as fit in 64k tokens of a batch, at most 256):
+    one forward per token for the whole batch.
     """
+    batch = batch or max(1, min(256, (1 << 16) // seq_len))
     gen = torch.Generator(device=model.device).manual_seed(seed)
     start = model.config.bos_token_id if model.config.bos_token_id is not None else 0
     out: list[torch.Tensor] = []

@@ -153,8 +153,13 @@ def test_bad_options(opts, match):
 
 
 def test_nothing_left_to_replace():
+    from llmaccel.passes import get_pass
+    from llmaccel.passes.base import PassContext, Progress, make_config
+
+    m = compile("preset:tiny-llama", ["sla"], {"sla": {"init": "zeros"}}, progress=False, eval_tokens=0)
+    sla = get_pass("sla")(make_config(get_pass("sla"), {"init": "zeros"}))
     with pytest.raises(LlmaccelError, match="no softmax attention"):
-        compile("preset:tiny-llama", ["sla", "sla"], {"sla": {"init": "zeros"}}, progress=False, eval_tokens=0)
+        sla.run(m.gm, PassContext(m.config, progress=Progress(False)))
 
 
 @pytest.mark.parametrize("src", ["preset:tiny-llama", "preset:tiny-gpt2"])
