@@ -37,7 +37,7 @@ import llmaccel.kernels.paged_rope  # noqa: F401  (registers llmaccel::paged_rop
 from llmaccel.codegen.lower import load_kernel_modules, lower
 from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
-from llmaccel.runtime.sampler import sample_rows
+from llmaccel.runtime.sampler import sample_rows, token_logprobs
 
 MIN_WIDTH = 8  # blocks per table row in the narrowest graph
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
@@ -84,7 +84,7 @@ class DecodeContext:
 class _Buffers:
     """The static inputs and outputs of one (batch, width) shape."""
 
-    def __init__(self, B: int, W: int, device):
+    def __init__(self, B: int, W: int, device, top: int = -1):
         z = dict(device=device)
         self.ids = torch.zeros(B, dtype=torch.int64, **z)
         self.pos = torch.zeros(B, dtype=torch.int64, **z)
@@ -95,6 +95,11 @@ class _Buffers:
         self.seeds = torch.zeros(B, dtype=torch.int64, **z)
         self.i = torch.zeros(1, dtype=torch.int64, **z)
         self.out = torch.zeros(B, MAX_STEPS, dtype=torch.int64, **z)
+        # logprobs (top >= 0): of the sampled tokens, and the `top` most likely tokens'
+        self.top = top
+        self.lp = torch.zeros(B, MAX_STEPS, dtype=torch.float32, **z) if top >= 0 else None
+        self.top_ids = torch.zeros(B, MAX_STEPS, max(top, 0), dtype=torch.int64, **z) if top > 0 else None
+        self.top_lp = torch.zeros(B, MAX_STEPS, max(top, 0), dtype=torch.float32, **z) if top > 0 else None
 
 
 def _forward(gm, cache: PagedKVCache, buf: _Buffers) -> torch.Tensor:
@@ -108,6 +113,12 @@ def _advance(buf: _Buffers, logits: torch.Tensor, mode: str) -> None:
     """Sample the next tokens, record them, and move the rows one position on."""
     nxt = sample_rows(logits, buf.temp, buf.top_k, buf.top_p, buf.seeds, buf.pos + 1, mode)
     buf.out.index_copy_(1, buf.i, nxt[:, None])
+    if buf.top >= 0:
+        lp, top = token_logprobs(logits, nxt, buf.top)
+        buf.lp.index_copy_(1, buf.i, lp[:, None])
+        if top is not None:
+            buf.top_ids.index_copy_(1, buf.i, top[0][:, None])
+            buf.top_lp.index_copy_(1, buf.i, top[1][:, None])
     buf.ids.copy_(nxt)
     buf.pos.add_(1)
     buf.i.add_(1)
@@ -146,7 +157,7 @@ class DecodeRunner:
         self.gemv = cuda and load_kernel_modules().get("gemv") == "ok"
         self.lowered: dict[str, torch.fx.GraphModule] = {}
         self.fns: dict[tuple[str, bool], object] = {}
-        self.graphs: dict[tuple[int, int, str], tuple] = {}
+        self.graphs: dict[tuple[int, int, str, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
@@ -182,8 +193,8 @@ class DecodeRunner:
         hit = self.graphs.get(key)
         if hit is not None:
             return hit
-        B, W, mode = key
-        buf = _Buffers(B, W, self.device)
+        B, W, mode, top = key
+        buf = _Buffers(B, W, self.device, top)
         buf.tables.fill_(self.scratch)
         fn = self._fn(B, mode)
         if self.compile:  # one Inductor graph for every width (and batch >= 2) of a kind
@@ -216,10 +227,11 @@ class DecodeRunner:
             fn(buf)
         return g
 
-    def run(self, rows: list[tuple], n_steps: int, mode: str) -> list[list[int]] | None:
-        """n_steps new tokens per row, rows = (block_table, position, token, temperature, top_k,
-        top_p, seed); None when no shape takes them (more rows than the largest bucket).
-        Each table must cover position + n_steps tokens."""
+    def run(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1):
+        """(n_steps new tokens per row, their logprobs or None), rows = (block_table, position,
+        token, temperature, top_k, top_p, seed); None when no shape takes them (more rows than
+        the largest bucket). Each table must cover position + n_steps tokens. top >= 0 asks
+        for logprobs: per row and step (logprob, [(id, logprob)] of the top `top` tokens)."""
         if not 1 <= n_steps <= MAX_STEPS:
             raise ValueError(f"n_steps must be in 1..{MAX_STEPS}, got {n_steps}")
         lens = [r[1] + n_steps for r in rows]
@@ -227,7 +239,7 @@ class DecodeRunner:
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
-        g, buf, fn = self._graph((*shape, mode))
+        g, buf, fn = self._graph((*shape, mode, top))
         self._fill(buf, rows, tables)
         for _ in range(n_steps):
             if g is None:
@@ -235,7 +247,15 @@ class DecodeRunner:
             else:
                 g.replay()
         self.replays += n_steps if g is not None else 0
-        return buf.out[:len(rows), :n_steps].tolist()
+        n = len(rows)
+        toks = buf.out[:n, :n_steps].tolist()
+        if top < 0:
+            return toks, None
+        lp = buf.lp[:n, :n_steps].tolist()
+        if top == 0:
+            return toks, [[(v, []) for v in row] for row in lp]
+        ids, vals = buf.top_ids[:n, :n_steps].tolist(), buf.top_lp[:n, :n_steps].tolist()
+        return toks, [[(v, list(zip(i, t))) for v, i, t in zip(*r)] for r in zip(lp, ids, vals)]
 
     def _fill(self, buf: _Buffers, rows, tables) -> None:
         """Rows 0 .. n - 1 from the step, the rest padding rows on the scratch block."""

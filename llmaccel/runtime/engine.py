@@ -18,7 +18,8 @@ from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
-from llmaccel.runtime.sampler import SamplingParams, sample_mode, sample_rows
+from llmaccel.runtime.sampler import (SamplingParams, logprobs_wanted, sample_mode, sample_rows,
+                                      token_logprobs)
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
@@ -31,6 +32,14 @@ SELF_DEFAULT = "int8"
 QUANT_DRAFTS = {"int8": {"bits": 8, "method": "rtn"},
                 "int4": {"bits": 4, "method": "rtn", "group_size": 128}}
 CPU_CACHE_BYTES = 512 << 20
+
+
+def _lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
+    """token_logprobs' tensors as per-row (logprob, [(id, logprob)]) on the host."""
+    lp = lp.tolist()
+    if top is None:
+        return [(v, []) for v in lp]
+    return [(v, list(zip(i, t))) for v, i, t in zip(lp, top[0].tolist(), top[1].tolist())]
 
 
 def parse_self(spec: str, n_layers: int) -> str | int:
@@ -242,13 +251,17 @@ class LLM:
         return seq.to_output()
 
     # ------------------------------------------------------------------ the engine step
-    def _append(self, seq: Sequence, toks: list[int]) -> None:
+    def _append(self, seq: Sequence, toks: list[int], lps: list | None = None) -> None:
+        """Append tokens until one ends the request; lps: per token (logprob, top pairs)."""
         p = seq.params
-        for t in toks:
+        for j, t in enumerate(toks):
             if t in self.eos and not p.ignore_eos:
                 seq.finish_reason = "stop"
                 return
             seq.token_ids.append(t)
+            if seq.logprobs is not None and lps is not None:
+                v, top = lps[j]
+                seq.logprobs.append({"token": t, "logprob": v, "top": list(top[:p.logprobs])})
             self.stats["generated_tokens"] += 1
             if p.stop and self.model.tokenizer_dir is not None:
                 # the new text only: the tail where a stop string could end
@@ -308,15 +321,17 @@ class LLM:
             bm.grow(seq, seq.num_computed + n)
         rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
                  s.params.top_p, s.seed) for s in seqs]
-        out = self.runner.run(rows, n, sample_mode([s.params for s in seqs]))
+        ps = [s.params for s in seqs]
+        out = self.runner.run(rows, n, sample_mode(ps), logprobs_wanted(ps))
         if out is None:
             for seq in seqs:
                 bm.trim(seq, seq.num_computed + 1)
             return False
         self.stats["decode_steps"] += n
-        for seq, toks in zip(seqs, out):
+        toks_all, lps_all = out
+        for i, (seq, toks) in enumerate(zip(seqs, toks_all)):
             seq.num_computed += n
-            self._append(seq, toks)
+            self._append(seq, toks, lps_all[i] if lps_all is not None else None)
             bm.register(seq)
             if seq.finished:
                 self.sched.finish(seq)
@@ -353,18 +368,24 @@ class LLM:
                 seq.num_computed += len(new)  # the fed last token and the accepted proposals
                 seq.draft_computed = min(seq.draft_computed, seq.num_computed)
                 self.bm.trim(seq, seq.num_computed)
-                self._append(seq, new)
+                lps = None
+                if seq.logprobs is not None:  # row j's logits precede new token j
+                    lps = _lp_pairs(*token_logprobs(logits[rows][: len(new)],
+                                                    torch.tensor(new, device=logits.device),
+                                                    seq.params.logprobs))
+                self._append(seq, new, lps)
             else:
                 seq.num_computed += len(toks)
-                self._append(seq, [sampled[r - 1]])
+                tok, lp = sampled[r - 1]
+                self._append(seq, [tok], None if lp is None else [lp])
             self.bm.register(seq)
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)
         for seq, _, _ in plan:
             if seq.finished:
                 self.sched.finish(seq)
 
-    def _sample(self, logits, plan, proposals) -> dict[int, int]:
-        """{logits row: next token} for the rows that end a sequence's input without speculation,
+    def _sample(self, logits, plan, proposals) -> dict[int, tuple]:
+        """{logits row: (next token, (logprob, top pairs) or None)} for the rows that end a sequence's input without speculation,
         drawn in one batched call (seeded by request and position, as the decode steps draw)."""
         rows, seqs, r = [], [], 0
         for seq, toks, nl in plan:
@@ -376,15 +397,18 @@ class LLM:
             return {}
         dev = logits.device
         ps = [s.params for s in seqs]
+        sel = logits[torch.tensor(rows, device=dev)]
         toks = sample_rows(
-            logits[torch.tensor(rows, device=dev)],
+            sel,
             torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
             torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev),
             torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
             torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
             torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64, device=dev),
-            sample_mode(ps)).tolist()
-        return dict(zip(rows, toks))
+            sample_mode(ps))
+        top = logprobs_wanted(ps)
+        lps = _lp_pairs(*token_logprobs(sel, toks, top)) if top >= 0 else [None] * len(rows)
+        return dict(zip(rows, zip(toks.tolist(), lps)))
 
     def _spec_stats(self, seq: Sequence, k: int, accepted: int) -> None:
         s = self.stats

@@ -9,6 +9,9 @@ import torch
 from llmaccel.errors import LlmaccelError
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -18,6 +21,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | None = None
     ignore_eos: bool = False
+    # None: no logprobs; N >= 0: the sampled token's log-probability (under the model's
+    # distribution, before temperature and filters) and the N most likely tokens' (N <= 20)
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -28,6 +34,8 @@ class SamplingParams:
             raise LlmaccelError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 0:
             raise LlmaccelError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise LlmaccelError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -112,6 +120,22 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     idx = (cdf < u).sum(-1).clamp_max(V - 1)
     tok = idx if order is None else order.gather(1, idx[:, None])[:, 0]
     return torch.where(temperature > 0, tok, greedy)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int):
+    """(log p of tokens (B,), top (B, top) ids and log-probabilities or None) under the
+    logits' own distribution (B, V), fp32."""
+    ls = torch.log_softmax(logits.float(), -1)
+    lp = ls.gather(1, tokens[:, None])[:, 0]
+    if top <= 0:
+        return lp, None
+    vals, ids = ls.topk(top, -1)
+    return lp, (ids, vals)
+
+
+def logprobs_wanted(params: list[SamplingParams]) -> int:
+    """-1 when no row asks for logprobs, else the most top tokens any row asks for."""
+    return max((p.logprobs for p in params if p.logprobs is not None), default=-1)
 
 
 def sample_mode(params: list[SamplingParams]) -> str:

@@ -20,6 +20,8 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None  # "length" | "stop" | "error"
     error: str | None = None
+    # with SamplingParams.logprobs: per generated token {"token", "logprob", "top": [(id, lp)]}
+    logprobs: list[dict] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +57,7 @@ class Sequence:
         self.text = ""
         self.stop_cut: int | None = None  # text length where a stop string begins
         self.detok = None  # IncrementalDetokenizer, made by the engine when text is needed
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         # sampled tokens are drawn by (seed, position) (sampler.row_uniforms); the generator
         # serves speculative verification's rejection sampling
         self.seed = request_seed(params)
@@ -77,4 +80,5 @@ class Sequence:
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.id, self.prompt, self.token_ids[: self.n_prompt],
-                             self.output_ids, self.text, self.finish_reason, self.error)
+                             self.output_ids, self.text, self.finish_reason, self.error,
+                             self.logprobs)

@@ -48,7 +48,7 @@ def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
     # decode steps run on the decode runner (several sub-steps each) unless a draft proposes
     assert (m["decode_steps"] > m["steps"] // 2) == (not kw.get("speculative"))
     if kw.get("block_size") == 3:  # 52 tokens in blocks of 3: wide tables
-        assert any(w > 8 for _, w, _ in llm.runner.graphs)
+        assert any(w > 8 for _, w, *_ in llm.runner.graphs)
     if kw.get("kv_cache_tokens") == 96:
         assert m["preemptions"] > 0
     if kw.get("speculative") == "preset:tiny-llama":
@@ -242,7 +242,7 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
     graphs = LLM(m, kv_cache_tokens=8192)
     got = [o.token_ids for o in graphs.generate(many, params)]
     assert got == want
-    assert max(b for b, _, _ in graphs.runner.graphs) >= 32
+    assert max(b for b, *_ in graphs.runner.graphs) >= 32
 
 
 def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monkeypatch):
@@ -262,3 +262,22 @@ def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monk
     m = llm.metrics()
     assert m["graphs_captured"] == 0 and m["decode_steps"] > 0
     assert all("not permitted" in why for why in m["graph_failures"].values())
+
+
+@pytest.mark.parametrize("kw", [{}, {"speculative": "ngram"}], ids=["plain", "ngram"])
+def test_logprobs_follow_the_reference_logits(tiny, prompts, kw):
+    """Greedy with logprobs=3: each token's logprob is the max of the reference executor's
+    log-softmax at its position, and the top list starts with the token itself."""
+    p = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = LLM(tiny, **kw).generate(prompts[:3], p)
+    for prompt, o in zip(prompts[:3], outs):
+        assert len(o.logprobs) == len(o.token_ids) == 10
+        ls = torch.log_softmax(tiny.logits(torch.tensor([prompt + o.token_ids]))[0].float(), -1)
+        for j, (t, e) in enumerate(zip(o.token_ids, o.logprobs)):
+            want = ls[len(prompt) - 1 + j]
+            assert e["token"] == t and abs(e["logprob"] - float(want[t])) < 1e-4
+            assert len(e["top"]) == 3 and e["top"][0][0] == t
+            assert abs(e["top"][2][1] - float(want.topk(3).values[2])) < 1e-4
+    assert LLM(tiny).generate(prompts[:1], GREEDY)[0].logprobs is None
+    with pytest.raises(Exception, match="logprobs must be in 0..20"):
+        SamplingParams(logprobs=21)
