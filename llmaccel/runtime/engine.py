@@ -34,6 +34,11 @@ QUANT_DRAFTS = {"int8": {"bits": 8, "method": "rtn"},
 CPU_CACHE_BYTES = 512 << 20
 
 
+def _kind(x) -> str:
+    return type(x).__name__ if not isinstance(x, (list, tuple)) or not x else \
+        f"{type(x).__name__} of {type(x[0]).__name__}"
+
+
 def _lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
     """token_logprobs' tensors as per-row (logprob, [(id, logprob)]) on the host."""
     lp = lp.tolist()
@@ -179,12 +184,23 @@ class LLM:
     # ------------------------------------------------------------------ requests
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
+            if self.model.tokenizer_dir is None:
+                raise LlmaccelError(f"{self.model.source} has no tokenizer; give prompts as lists of token ids")
             return self.model.encode(prompt), prompt
-        return [int(t) for t in prompt], None
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise LlmaccelError(f"a prompt is a string or a list of token ids, got {_kind(prompt)}")
+        V = self.cfg.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < V), None)
+        if bad is not None:
+            raise LlmaccelError(f"token id {bad} is outside the vocabulary (0..{V - 1})")
+        return list(prompt), None
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
         ids, text = self._encode(prompt)
-        params = params or SamplingParams()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise LlmaccelError(f"sampling params must be a SamplingParams, got {_kind(params)}")
         seq = Sequence(ids, params, text, self.device,
                        spec_k=self.k_max if self.draft is not None else 0)
         bad = self.sched.reject_reason(seq)
@@ -205,8 +221,12 @@ class LLM:
         A request that cannot run (prompt too long for the model or the cache) comes back with
         finish_reason 'error' and its message in .error; the others are unaffected.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise LlmaccelError(f"prompts must be a string, a list of token ids or a list of "
+                                f"those, got {_kind(prompts)}")
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise LlmaccelError(f"{len(prompts)} prompts but {len(plist)} sampling params")
@@ -217,6 +237,9 @@ class LLM:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it grows (whole characters only)."""
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            raise LlmaccelError("stream takes one prompt (a string or a list of token ids); "
+                                "use generate for several")
         seq = self.add_request(prompt, params)
         if seq.error:
             raise LlmaccelError(seq.error)

@@ -26,6 +26,18 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
+        for name, kinds in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int),
+                            ("max_tokens", int), ("seed", (int, type(None))), ("ignore_eos", bool),
+                            ("logprobs", (int, type(None)))):
+            v = getattr(self, name)
+            if not isinstance(v, kinds) or (isinstance(v, bool) and name != "ignore_eos"):
+                raise LlmaccelError(f"{name} must be {'a bool' if name == 'ignore_eos' else 'a number'}"
+                                    f"{' or None' if name in ('seed', 'logprobs') else ''}, got {v!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, list) or
+                                      not all(isinstance(x, str) and x for x in self.stop)):
+            raise LlmaccelError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.temperature < 0:
             raise LlmaccelError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

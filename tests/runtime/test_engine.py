@@ -281,3 +281,24 @@ def test_logprobs_follow_the_reference_logits(tiny, prompts, kw):
     assert LLM(tiny).generate(prompts[:1], GREEDY)[0].logprobs is None
     with pytest.raises(Exception, match="logprobs must be in 0..20"):
         SamplingParams(logprobs=21)
+
+
+def test_bad_python_inputs_are_one_clear_error(tiny):
+    from llmaccel.errors import LlmaccelError
+
+    llm = LLM(tiny)
+    for bad, match in ((123, "prompts must be"), ([None], "a prompt is a string or a list of token ids"),
+                       ({"a": 1}, "prompts must be"), ([[1, 2, 10 ** 6]], "outside the vocabulary"),
+                       (["text"], "has no tokenizer")):
+        with pytest.raises(LlmaccelError, match=match):
+            llm.generate(bad, GREEDY)
+    with pytest.raises(LlmaccelError, match="stream takes one prompt"):
+        list(llm.stream([[1, 2], [3]]))
+    with pytest.raises(LlmaccelError, match="sampling params must be"):
+        llm.generate([[1, 2]], {"max_tokens": 3})
+    for kw in (dict(max_tokens="8"), dict(temperature="0.5"), dict(top_k=1.5), dict(stop=[""]),
+               dict(seed="x"), dict(ignore_eos=1)):
+        with pytest.raises(LlmaccelError, match=next(iter(kw))):
+            SamplingParams(**kw)
+    assert SamplingParams(stop=".").stop == ["."]
+    assert llm.metrics()["kv_blocks_used"] == 0 and not llm.sched.has_work()
