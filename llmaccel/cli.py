@@ -11,8 +11,19 @@ from llmaccel.errors import LlmaccelError
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="smollm2-135m | preset:NAME | HF dir | .gguf | artifact dir")
-    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU; "
+                                                   "as LLM and bench) | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto (cuda when present) | cuda | cpu")
+
+
+def _resolve_device(a) -> None:
+    """--device / --dtype auto, the same defaults as LLM() and llmc bench."""
+    import torch
+
+    if getattr(a, "device", None) == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if getattr(a, "dtype", None) == "auto":
+        a.dtype = "bfloat16" if str(a.device).startswith("cuda") else "float32"
 
 
 def cmd_compile(a) -> None:
@@ -179,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     try:
+        _resolve_device(a)
         a.fn(a)
     except LlmaccelError as e:
         if a.debug:

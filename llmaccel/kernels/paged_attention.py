@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llmaccel.kernels import cdiv
+from llmaccel.kernels import cdiv, sm_count
 from llmaccel.ops.attention import attend_heads
 
 try:  # kernels are optional: every non-CUDA path must work without triton
@@ -269,7 +269,7 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     return out
 
 
-def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int = 132) -> int:
+def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int) -> int:
     """How many splits of the context: enough programs to fill the GPU, none shorter than 256."""
     want = cdiv(2 * num_sms, max(1, S * Hkv))
     return max(1, min(want, cdiv(max_len, max(256, block_n))))
@@ -292,7 +292,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: 
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
     max_len = block_tables.shape[1] * BS
-    n = num_splits or decode_splits(S, Hkv, max_len, BLOCK_N)
+    n = num_splits or decode_splits(S, Hkv, max_len, BLOCK_N, sm_count(q.device) if q.is_cuda else 132)  # 132: an H200's, for the interpreter
     split_len = cdiv(cdiv(max_len, n), BLOCK_N) * BLOCK_N
     n = cdiv(max_len, split_len)
     mid_o = torch.empty((S, H, n, D), dtype=torch.float32, device=q.device)

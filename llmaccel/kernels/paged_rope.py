@@ -160,7 +160,7 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
     max_len = block_tables.shape[1] * BS
-    n = num_splits or decode_splits(B, Hkv, max_len, BLOCK_N, sm_count(q.device) if q.is_cuda else 132)
+    n = num_splits or decode_splits(B, Hkv, max_len, BLOCK_N, sm_count(q.device) if q.is_cuda else 132)  # 132: an H200's, for the interpreter
     split_len = cdiv(cdiv(max_len, n), BLOCK_N) * BLOCK_N
     n = cdiv(max_len, split_len)
     if n > 1:

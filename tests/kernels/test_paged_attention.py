@@ -122,9 +122,9 @@ def test_triton_split_k_decode_matches_reference(dtype, splits):
 
 
 def test_decode_splits_fill_the_gpu_but_stay_long():
-    assert pa.decode_splits(1, 8, 4096, 64) == 16  # 16 splits of 256 tokens
-    assert pa.decode_splits(64, 8, 4096, 64) == 1
-    assert pa.decode_splits(1, 8, 100, 64) == 1
+    assert pa.decode_splits(1, 8, 4096, 64, 132) == 16  # 16 splits of 256 tokens
+    assert pa.decode_splits(64, 8, 4096, 64, 132) == 1
+    assert pa.decode_splits(1, 8, 100, 64, 132) == 1
 
 
 @pytest.mark.cuda
