@@ -35,8 +35,10 @@ for s in $STEPS; do
     bitlinear) run bitlinear 90 $PY scripts/gpu_bitlinear_bench.py --batch 1 16 ;;
     sla) run sla 90 $PY scripts/gpu_sla_bench.py ;;
     sparse) run sparse 60 $PY scripts/gpu_sparse_bench.py ;;
-    spec) run spec 240 $PY -m llmaccel.bench "$GGUF" --prompt "$PROMPT" --gen-len 256 --dtype bfloat16 \
-            --speculative self:4,self:8,self:15,ngram --no-profile --json ;;
+    spec) for d in none self:8 ngram; do  # LLM with each draft, the same prompt
+            run "spec_${d/:/}" 120 $PY -m llmaccel.bench "$GGUF" --prompt "$PROMPT" --gen-len 256 --dtype bfloat16 \
+              $([ "$d" = none ] || echo --speculative "$d") --no-profile --json
+          done ;;
     qtests) run quant_tests 150 $PY -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_quant_linear.py ;;
     probe) run int4_probe 200 $PY scripts/gpu_int4_probe.py ;;
     ncu)  # Nsight Compute on the int4 GEMV's default tiles: the LM head and a gate/up matrix
