@@ -170,7 +170,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     need = prompt_len + gen_len
     if need > model.config.max_position:
         raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
-    llm = LLM(model, max_num_seqs=max(batch, 1), speculative=speculative, num_speculative_tokens=spec_k,
+    llm = LLM(model, max_num_seqs=batch, speculative=speculative, num_speculative_tokens=spec_k,
               max_num_batched_tokens=max(2048, min(batch * prompt_len, 16384)),
               cuda_graphs=cuda_graphs, compile=compile)
     warm_s, _ = _timed(lambda: [llm.generate(ids, sp) for _ in range(warmup)], dev)

@@ -275,6 +275,26 @@ def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int) ->
     return max(1, min(want, cdiv(max_len, max(256, block_n))))
 
 
+def split_plan(q: torch.Tensor, n_kv: int, max_len: int, block_n: int,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split) of a decode over contexts up to max_len: decode_splits on the
+    device's SM count (132, an H200's, under the interpreter), each split a whole number of
+    block_n tiles."""
+    n = num_splits or decode_splits(q.shape[0], n_kv, max_len, block_n,
+                                    sm_count(q.device) if q.is_cuda else 132)
+    split_len = cdiv(cdiv(max_len, n), block_n) * block_n
+    return cdiv(max_len, split_len), split_len
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out (S, H, D) from the splits' outputs mid_o (S, H, n, D) and log-sum-exps (S, H, n)."""
+    S, H, n, D = mid_o.shape
+    _paged_decode_reduce_kernel[(S, H)](
+        mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_P=max(2, triton.next_power_of_2(n)))
+
+
 def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                         num_splits: int | None = None) -> torch.Tensor:
     """Triton split-K decode attention: one query per sequence over its paged context.
@@ -291,10 +311,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: 
         return out
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
-    max_len = block_tables.shape[1] * BS
-    n = num_splits or decode_splits(S, Hkv, max_len, BLOCK_N, sm_count(q.device) if q.is_cuda else 132)  # 132: an H200's, for the interpreter
-    split_len = cdiv(cdiv(max_len, n), BLOCK_N) * BLOCK_N
-    n = cdiv(max_len, split_len)
+    n, split_len = split_plan(q, Hkv, block_tables.shape[1] * BS, BLOCK_N, num_splits)
     mid_o = torch.empty((S, H, n, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((S, H, n), dtype=torch.float32, device=q.device)
     G = H // Hkv
@@ -305,10 +322,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: 
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
-    _paged_decode_reduce_kernel[(S, H)](
-        mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=BLOCK_D, BLOCK_P=max(2, triton.next_power_of_2(n)))
+    merge_splits(mid_o, mid_lse, out)
     return out
 
 

@@ -13,8 +13,7 @@ split merge) for a decode step of the runtime.
 Without it a decode layer spends the rotation's pointwise kernels, two index_copy_ writes and
 the attention (docs/runtime.md); at one row on small models, launches are the cost. The Triton
 kernel reads the cache through the block table: cached slots 0 .. pos - 1 split into parts run
-in parallel and merged by
-log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
+in parallel and merged by log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
 also stores them; no program reads that slot, so there is no race). The split count depends on
 the table width only, so a captured CUDA graph stays valid as positions advance within it.
 CPU implementation: the reference; CUDA: Triton.
@@ -23,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from llmaccel.kernels import cdiv, registered, sm_count, unit_stride
-from llmaccel.kernels.paged_attention import decode_splits, paged_decode_ref, write_kv_ref
+from llmaccel.kernels import registered, unit_stride
+from llmaccel.kernels.paged_attention import paged_decode_ref, write_kv_ref
 
 try:
     import triton
@@ -63,8 +62,8 @@ def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
 
 
 if triton is not None:
-    from llmaccel.kernels.paged_attention import (_group_queries, _paged_decode_reduce_kernel,
-                                                  _softmax_block, _softmax_init, _softmax_result)
+    from llmaccel.kernels.paged_attention import (_group_queries, _softmax_block, _softmax_init,
+                                                  _softmax_result, merge_splits, split_plan)
 
     @triton.jit
     def _rotate(x, X, rows, s_row, offs_d, ok, c, s, D: tl.constexpr):
@@ -159,10 +158,7 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
         return out
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
-    max_len = block_tables.shape[1] * BS
-    n = num_splits or decode_splits(B, Hkv, max_len, BLOCK_N, sm_count(q.device) if q.is_cuda else 132)  # 132: an H200's, for the interpreter
-    split_len = cdiv(cdiv(max_len, n), BLOCK_N) * BLOCK_N
-    n = cdiv(max_len, split_len)
+    n, split_len = split_plan(q, Hkv, block_tables.shape[1] * BS, BLOCK_N, num_splits)
     if n > 1:
         mid_o = torch.empty((B, H, n, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, n), dtype=torch.float32, device=q.device)
@@ -178,10 +174,7 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32)
     if n > 1:
-        _paged_decode_reduce_kernel[(B, H)](
-            mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-            D=D, BLOCK_D=BLOCK_D, BLOCK_P=max(2, triton.next_power_of_2(n)))
+        merge_splits(mid_o, mid_lse, out)
     return out
 
 

@@ -33,11 +33,11 @@ import warnings
 
 import torch
 
-import llmaccel.kernels.paged_rope  # noqa: F401  (registers llmaccel::paged_rope_decode_attention)
+from llmaccel.kernels.paged_rope import slots_of  # also registers llmaccel::paged_rope_decode_attention
 from llmaccel.codegen.lower import load_kernel_modules, lower
 from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
-from llmaccel.runtime.sampler import sample_rows, token_logprobs
+from llmaccel.runtime.sampler import logprob_pairs, sample_rows, token_logprobs
 
 MIN_WIDTH = 8  # blocks per table row in the narrowest graph
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
@@ -54,11 +54,7 @@ class DecodeContext:
     block tables (B, W); the KV slot and context length of each row come from them."""
 
     def __init__(self, cache: PagedKVCache, pos: torch.Tensor, tables: torch.Tensor):
-        bs = cache.block_size
         self.cache, self.tables, self.pos = cache, tables, pos
-        blk = tables.gather(1, (pos // bs)[:, None].to(torch.int64))[:, 0].to(torch.int64)
-        self.slots = blk * bs + pos % bs
-        self.lens = (pos + 1).to(torch.int32)
 
     def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None, **_):
         """rope: (cos, sin, positions) when q and k still lack their rotary embedding (graphs
@@ -74,10 +70,12 @@ class DecodeContext:
                 *args, self.cache.k[layer], self.cache.v[layer], self.pos, self.tables, *rope[:2],
                 scale=scale)
             return out.reshape(1, B, n_heads * head_dim)
+        # graphs without fuse_rope's pattern (GPT-2): the slot and length of each row here
         out = torch.ops.llmaccel.paged_decode_attention(
             q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
             v.reshape(B, n_kv_heads, head_dim), self.cache.k[layer], self.cache.v[layer],
-            self.slots, self.tables, self.lens, scale=scale)
+            slots_of(self.pos, self.tables, self.cache.block_size), self.tables,
+            (self.pos + 1).to(torch.int32), scale=scale)
         return out.reshape(1, B, n_heads * head_dim)
 
 
@@ -253,9 +251,9 @@ class DecodeRunner:
             return toks, None
         lp = buf.lp[:n, :n_steps].tolist()
         if top == 0:
-            return toks, [[(v, []) for v in row] for row in lp]
+            return toks, [logprob_pairs(row) for row in lp]
         ids, vals = buf.top_ids[:n, :n_steps].tolist(), buf.top_lp[:n, :n_steps].tolist()
-        return toks, [[(v, list(zip(i, t))) for v, i, t in zip(*r)] for r in zip(lp, ids, vals)]
+        return toks, [logprob_pairs(*r) for r in zip(lp, ids, vals)]
 
     def _fill(self, buf: _Buffers, rows, tables) -> None:
         """Rows 0 .. n - 1 from the step, the rest padding rows on the scratch block."""

@@ -18,8 +18,8 @@ from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
-from llmaccel.runtime.sampler import (SamplingParams, logprobs_wanted, sample_mode, sample_rows,
-                                      token_logprobs)
+from llmaccel.runtime.sampler import (SamplingParams, logprob_pairs, logprobs_wanted, sample_mode,
+                                      sample_rows, token_logprobs)
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
@@ -41,10 +41,7 @@ def _kind(x) -> str:
 
 def _lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
     """token_logprobs' tensors as per-row (logprob, [(id, logprob)]) on the host."""
-    lp = lp.tolist()
-    if top is None:
-        return [(v, []) for v in lp]
-    return [(v, list(zip(i, t))) for v, i, t in zip(lp, top[0].tolist(), top[1].tolist())]
+    return logprob_pairs(lp.tolist(), *(() if top is None else (top[0].tolist(), top[1].tolist())))
 
 
 def parse_self(spec: str, n_layers: int) -> str | int:

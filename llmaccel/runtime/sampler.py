@@ -145,6 +145,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int):
     return lp, (ids, vals)
 
 
+def logprob_pairs(lp: list[float], ids: list[list[int]] | None = None,
+                  vals: list[list[float]] | None = None) -> list[tuple[float, list]]:
+    """Per token (logprob, [(id, logprob)] of the top tokens), from host lists."""
+    if ids is None:
+        return [(v, []) for v in lp]
+    return [(v, list(zip(i, t))) for v, i, t in zip(lp, ids, vals)]
+
+
 def logprobs_wanted(params: list[SamplingParams]) -> int:
     """-1 when no row asks for logprobs, else the most top tokens any row asks for."""
     return max((p.logprobs for p in params if p.logprobs is not None), default=-1)
