@@ -211,6 +211,21 @@ class LLM:
             self.sched.add(seq)
         return seq
 
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request now (a client went away): its KV blocks are freed at once and it
+        ends with finish_reason 'abort'. A finished request is left as it is."""
+        if seq.finished:
+            return
+        self.sched.abort(seq)
+        seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_work()
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's RequestOutput as it stands (text decoded, stop string cut)."""
+        return self._output(seq)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs in prompt order.

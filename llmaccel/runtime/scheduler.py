@@ -47,6 +47,12 @@ class Scheduler:
             self.running.remove(seq)
         self.bm.free_seq(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is (waiting or running) and free its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)

@@ -18,7 +18,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
     text: str = ""
-    finish_reason: str | None = None  # "length" | "stop" | "error"
+    finish_reason: str | None = None  # "length" | "stop" | "error" | "abort"
     error: str | None = None
     # with SamplingParams.logprobs: per generated token {"token", "logprob", "top": [(id, lp)]}
     logprobs: list[dict] | None = None

@@ -302,3 +302,19 @@ def test_bad_python_inputs_are_one_clear_error(tiny):
             SamplingParams(**kw)
     assert SamplingParams(stop=".").stop == ["."]
     assert llm.metrics()["kv_blocks_used"] == 0 and not llm.sched.has_work()
+
+
+def test_abort_frees_blocks_and_leaves_the_others_exact(tiny, prompts, reference):
+    llm = LLM(tiny, kv_cache_tokens=256, block_size=8)
+    seqs = [llm.add_request(p, GREEDY) for p in prompts]
+    waiting = llm.add_request(prompts[0], GREEDY)
+    llm.step()
+    llm.abort(seqs[1])  # running
+    llm.abort(waiting)  # may still be waiting
+    while llm.has_unfinished():
+        llm.step()
+    assert seqs[1].finish_reason == waiting.finish_reason == "abort"
+    for i, s in enumerate(seqs):
+        if i != 1:
+            assert llm.output(s).token_ids == reference[i]
+    assert llm.metrics()["kv_blocks_used"] == 0
