@@ -124,6 +124,7 @@ def _load_run(llm, n_req: int, check: bool) -> dict:
     steps0 = llm.metrics()["steps"]
     seqs = [llm.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True))
             for p, o in zip(prompts, outs_n)]
+    split = _time_split(llm)
     first, done = {}, {}
     t0 = time.perf_counter()
     while len(done) < n_req:
@@ -135,6 +136,8 @@ def _load_run(llm, n_req: int, check: bool) -> dict:
             if s.id not in done and s.finished:
                 done[s.id] = now
     wall = time.perf_counter() - t0
+    for name in split["steps"]:
+        delattr(llm, name)  # the engine's own methods again
     n_out = sum(s.n_output for s in seqs)
     tpot = [(done[s.id] - first[s.id]) / (s.n_output - 1) for s in seqs if s.n_output > 1]
     lengths_ok = all(s.n_output == o and s.finish_reason == "length" and s.error is None
@@ -157,6 +160,8 @@ def _load_run(llm, n_req: int, check: bool) -> dict:
                 prompt_tokens=sum(len(p) for p in prompts), output_tok_s=round(n_out / wall, 1),
                 total_tok_s=round((n_out + sum(len(p) for p in prompts)) / wall, 1),
                 mean_tpot_ms=round(1000 * sum(tpot) / len(tpot), 2), steps=m["steps"] - steps0,
+                eager_steps=split["steps"]["_eager_step"], eager_s=round(split["s"]["_eager_step"], 3),
+                decode_calls=split["steps"]["_decode"], decode_s=round(split["s"]["_decode"], 3),
                 preemptions=m["preemptions"], kv_blocks_total=m["kv_blocks_total"],
                 kv_blocks_peak=m["kv_blocks_peak"], lengths_ok=lengths_ok,
                 # a run without the teacher-forced check reports none of its figures
@@ -164,6 +169,25 @@ def _load_run(llm, n_req: int, check: bool) -> dict:
                 near_greedy=round(near / n_out, 5) if check else None,
                 worst_request_near_greedy=round(worst, 4) if check else None,
                 intact=lengths_ok and worst >= 0.99 if check else None)
+
+
+def _time_split(llm) -> dict:
+    """Wall time in the engine's mixed/prefill steps and in its decode steps: each already ends
+    in a host copy of the new tokens, so the synchronize adds nothing."""
+    split = {"steps": {}, "s": {}}
+    for name in ("_eager_step", "_decode"):
+        fn = getattr(llm, name)
+        split["steps"][name], split["s"][name] = 0, 0.0
+
+        def timed_fn(*a, _fn=fn, _name=name):
+            t = time.perf_counter()
+            r = _fn(*a)
+            torch.cuda.synchronize()
+            split["steps"][_name] += 1
+            split["s"][_name] += time.perf_counter() - t
+            return r
+        setattr(llm, name, timed_fn)
+    return split
 
 
 def fp32_exact(n: int = 6) -> dict:
@@ -220,6 +244,8 @@ def main() -> int:
         print(f"| {tag}: {ld['requests']} req, {ld['prompt_tokens']} prompt + {ld['output_tokens']} output tokens"
               f" | {ld['wall_s']} s, {ld['steps']} steps ({ld['graph_steps']} as graphs, "
               f"{ld['graphs_captured']} captured), {ld['preemptions']} preemptions |")
+        print(f"| {tag}: where the time goes | {ld['eager_steps']} prefill/mixed steps {ld['eager_s']} s, "
+              f"{ld['decode_calls']} decode steps {ld['decode_s']} s |")
         print(f"| {tag}: throughput | {ld['output_tok_s']} output tok/s ({ld['total_tok_s']} incl. prompt), "
               f"mean time per output token {ld['mean_tpot_ms']} ms |")
         if ld["checked"]:

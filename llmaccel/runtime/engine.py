@@ -56,7 +56,7 @@ def parse_self(spec: str, n_layers: int) -> str | int:
 
 class LLM:
     def __init__(self, source, *, block_size: int = 16, kv_cache_tokens: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
                  device=None, enable_prefix_caching: bool = True, draft_layers: int | None = None,
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
@@ -343,11 +343,14 @@ class LLM:
         self._eager_step(plan, proposals)
 
     def _decode(self, seqs: list[Sequence]) -> bool:
-        """A decode-only step on the runner, as many sub-steps as every row may take (up to
-        MAX_STEPS, blocks permitting); False when no shape takes it (the step runs eagerly)."""
-        n = MAX_STEPS
+        """A decode-only step on the runner: up to MAX_STEPS sub-steps, as many as the row with
+        the most tokens left wants (a row that reaches max_tokens earlier computes the rest of
+        the group and discards it, as after an EOS: a row of a wide batch costs little, a host
+        sync per finishing row costs a step), within every row's context and the free blocks.
+        False when no shape takes it (the step runs eagerly)."""
+        n = min(MAX_STEPS, max(s.params.max_tokens - s.n_output for s in seqs))
         for seq in seqs:
-            n = min(n, seq.params.max_tokens - seq.n_output, self.cfg.max_position - len(seq.token_ids))
+            n = min(n, self.cfg.max_position - len(seq.token_ids))
         n = max(1, n)
         bm = self.bm
         if n > 1 and sum(max(0, bm.blocks_for(s.num_computed + n) - len(s.block_table)) for s in seqs) > bm.num_free:

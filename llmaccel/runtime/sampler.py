@@ -88,50 +88,106 @@ def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One uniform in (0, 1) per row, a function of (seed, position) alone: a seeded request
     draws the same numbers whatever else shares its batch, whichever path (CUDA graph, eager
     step, reference executor) computes its step, and without generator state to carry."""
+    return _to_uniform(_row_hash(seeds, positions))
+
+
+def _row_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     h = _mix32(seeds & _M32)
     h = _mix32(h ^ ((seeds >> 32) & _M32))
-    h = _mix32(h ^ (positions & _M32))
+    return _mix32(h ^ (positions & _M32))
+
+
+def _to_uniform(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def round_uniforms(seeds: torch.Tensor, positions: torch.Tensor, rounds: int) -> torch.Tensor:
+    """(B, rounds) uniforms of the sampler's rejection rounds; round 0 is row_uniforms."""
+    h = _row_hash(seeds, positions)[:, None]
+    r = torch.arange(1, rounds, device=h.device, dtype=torch.int64)
+    later = _mix32(h ^ ((r * 0x9E3779B9) & _M32)[None, :])
+    return _to_uniform(torch.cat([h, later], 1))
+
+
+# Rejection rounds of a filtered draw: each lands in the nucleus with probability >= top_p, so
+# a row still rejected after 32 (and then given its argmax) is out of reach of any real top_p.
+ROUNDS = 32
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                 mode: str = "filter") -> torch.Tensor:
     """Next tokens (B,) of logits (B, V), each row with its own parameters, on the logits'
-    device and without a host sync (a CUDA graph captures it).
+    device and without a host sync on CUDA (a CUDA graph captures it).
 
     temperature, top_p: float32 (B,); top_k, seeds, positions: int64 (B,), positions being the
-    index of the token drawn. A row of temperature 0 takes the argmax. Sampled rows invert the
-    CDF of their filtered distribution at row_uniforms(seed, position): exact, one uniform per
-    token. mode: "greedy" (every row greedy), "sample" (no row with top-k or top-p) or
-    "filter" (the general case: the rows sorted once).
+    index of the token drawn. A row of temperature 0 takes the argmax; the others draw from
+    their filtered distribution (temperature, then top-k, then top-p) with the uniforms
+    round_uniforms(seed, position): no sort (sample_reference). mode: "greedy" (every row
+    greedy), "sample" (no row with top-k or top-p) or "filter" (the general case). On CUDA the
+    Triton kernel (kernels/sampling.py) runs the reference's algorithm.
     """
-    greedy = logits.argmax(-1)
+    kern = _kernels(logits)
     if mode == "greedy":
-        return greedy
-    V = logits.shape[-1]
+        return logits.argmax(-1) if kern is None else kern.argmax_triton(logits)
+    if mode not in ("sample", "filter"):
+        raise ValueError(f"mode must be greedy, sample or filter, got {mode!r}")
+    if mode == "sample":  # one round: no filter can reject the draw
+        top_k, top_p = torch.zeros_like(top_k), torch.ones_like(top_p)
+    u = round_uniforms(seeds, positions, 1 if mode == "sample" else ROUNDS)
+    if kern is not None:
+        return kern.sample_triton(logits, temperature, top_k, top_p, u)
+    return sample_reference(logits, temperature, top_k, top_p, u)
+
+
+def _kernels(logits: torch.Tensor):
+    """The sampling kernel module for CUDA logits, None elsewhere (the reference runs)."""
+    if not logits.is_cuda:
+        return None
+    from llmaccel.kernels import sampling
+    return sampling if sampling.HAS_TRITON else None
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sort-free sampler in torch ops (host syncs between rounds): see kernels/sampling.py
+    for the algorithm. u: (B, R) uniforms, one per rejection round."""
+    B, V = logits.shape
+    greedy = logits.argmax(-1)
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     x = logits.float() / t[:, None]
-    order = None
-    if mode == "filter":
-        # As filtered_probs: top-k on the tempered logits, softmax, then drop a token when the
-        # mass before it already reaches top_p (the first always stays); ties at the k-th logit
-        # are cut by rank here.
-        x, order = x.sort(-1, descending=True)
-        rank = torch.arange(V, device=x.device)
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
-        x = x.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
-        probs = torch.softmax(x, -1)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
-    elif mode == "sample":
-        probs = torch.softmax(x, -1)
-    else:
-        raise ValueError(f"mode must be greedy, sample or filter, got {mode!r}")
-    cdf = probs.cumsum(-1)
-    u = row_uniforms(seeds, positions)[:, None] * cdf[:, -1:]
-    idx = (cdf < u).sum(-1).clamp_max(V - 1)
-    tok = idx if order is None else order.gather(1, idx[:, None])[:, 0]
-    return torch.where(temperature > 0, tok, greedy)
+    e = torch.exp(x - x.max(-1, keepdim=True).values)
+    key = e.view(torch.int32)
+    thr = torch.zeros(B, dtype=torch.int32, device=e.device)
+    cut = (top_k > 0) & (top_k < V)
+    if bool(cut.any()):  # the bits of the k-th largest e, by bisection
+        lo, hi = torch.zeros_like(thr), torch.full_like(thr, 0x3F800001)
+        while bool((hi - lo > 1).any()):
+            mid = (lo + hi) // 2
+            ok = (key >= mid[:, None]).sum(-1) >= top_k
+            lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+        thr = torch.where(cut, lo, thr)
+    intop = key >= thr[:, None]
+    zk = torch.where(intop, e, 0.0).sum(-1)
+    low = torch.full((B,), -1.0, device=e.device)
+    mass, tok, done = zk, greedy.clone(), temperature <= 0
+    cols = torch.arange(V, device=e.device)
+    for r in range(u.shape[1]):
+        if bool(done.all()):
+            break
+        sup = intop & (e > low[:, None])
+        w = torch.where(sup, e, 0.0)
+        hit = (w.cumsum(-1) >= (u[:, r] * mass)[:, None]) & sup
+        last = torch.where(sup, cols, -1).max(-1).values  # when rounding leaves the target unmet
+        j = torch.where(hit.any(-1), hit.int().argmax(-1), last)
+        ej = e.gather(1, j.clamp_min(0)[:, None])[:, 0]  # rows done earlier may have none left
+        above = torch.where(intop & (e > ej[:, None]), e, 0.0).sum(-1)
+        ok = (top_p >= 1.0) | (above < top_p * zk)
+        tok = torch.where(~done & ok, j, tok)
+        low = torch.where(done, low, ej)
+        mass = torch.where(done, mass, above)
+        done = done | ok
+    return tok
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int):
