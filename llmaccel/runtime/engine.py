@@ -18,8 +18,8 @@ from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
-from llmaccel.runtime.sampler import (SamplingParams, logprob_pairs, logprobs_wanted, sample_mode,
-                                      sample_rows, token_logprobs)
+from llmaccel.runtime.sampler import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
+                                      sample_mode, sample_rows, token_logprobs)
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
@@ -94,6 +94,11 @@ class LLM:
         tokens = kv_cache_tokens if kv_cache_tokens is not None else self._default_tokens(
             bpt, max_num_batched_tokens, gpu_memory_utilization)
         on_cuda = str(self.device).startswith("cuda")
+        # the sampling kernel proven on this device before any graph captures the sampler
+        self.sampler_fallback = kernel_check(self.device) if on_cuda else None
+        if self.sampler_fallback:
+            warnings.warn(f"sampling runs in sorted torch ops: the sampling kernel failed its "
+                          f"check ({self.sampler_fallback})")
         if self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
                                                    max_num_batched_tokens, gpu_memory_utilization)
@@ -471,7 +476,9 @@ class LLM:
                  graph_steps=self.runner.replays if self.runner is not None else 0,
                  graphs_captured=sum(g is not None for g, _, _ in self.runner.graphs.values())
                  if self.runner is not None else 0,
-                 graph_failures=dict(self.runner.failures) if self.runner is not None else {})
+                 graph_failures=dict(self.runner.failures) if self.runner is not None else {},
+                 sampler="torch" if not str(self.device).startswith("cuda") else
+                 f"sorted ({self.sampler_fallback})" if self.sampler_fallback else "kernel")
         if self.kivi:
             s.update(kivi_metrics(self.cache, self.bm))
         return s

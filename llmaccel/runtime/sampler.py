@@ -1,6 +1,7 @@
 """Next-token sampling: greedy, temperature, top-k, top-p, seeded."""
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass
 
@@ -125,7 +126,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     their filtered distribution (temperature, then top-k, then top-p) with the uniforms
     round_uniforms(seed, position): no sort (sample_reference). mode: "greedy" (every row
     greedy), "sample" (no row with top-k or top-p) or "filter" (the general case). On CUDA the
-    Triton kernel (kernels/sampling.py) runs the reference's algorithm.
+    Triton kernel (kernels/sampling.py) runs the reference's algorithm; where it does not pass
+    kernel_check, sample_sorted.
     """
     kern = _kernels(logits)
     if mode == "greedy":
@@ -137,15 +139,72 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     u = round_uniforms(seeds, positions, 1 if mode == "sample" else ROUNDS)
     if kern is not None:
         return kern.sample_triton(logits, temperature, top_k, top_p, u)
+    if logits.is_cuda:
+        return sample_sorted(logits, temperature, top_k, top_p, u, mode)
     return sample_reference(logits, temperature, top_k, top_p, u)
 
 
 def _kernels(logits: torch.Tensor):
-    """The sampling kernel module for CUDA logits, None elsewhere (the reference runs)."""
+    """The sampling kernel module for CUDA logits whose device passed kernel_check, else None."""
     if not logits.is_cuda:
         return None
+    return None if kernel_check(logits.device) else _sampling_module()
+
+
+def _sampling_module():
     from llmaccel.kernels import sampling
-    return sampling if sampling.HAS_TRITON else None
+    return sampling
+
+
+def kernel_check(device) -> str | None:
+    """Why the sampling kernel does not serve this CUDA device (None: it does). Checked once
+    per device, against the reference on a small batch; LLM checks at start-up, outside any
+    CUDA graph capture. Where it fails, CUDA rows are drawn by sample_sorted."""
+    device = torch.device(device)
+    return _check(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _check(index: int) -> str | None:
+    kern = _sampling_module()
+    if not kern.HAS_TRITON:
+        return "triton is not installed"
+    dev = torch.device("cuda", index)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 3000, generator=g) * 3).to(dev)
+    args = [torch.tensor(v, device=dev) for v in ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5])]
+    u = round_uniforms(torch.arange(4, device=dev) + 7, torch.arange(4, device=dev), ROUNDS)
+    try:
+        same = (torch.equal(kern.sample_triton(x, *args, u), sample_reference(x, *args, u))
+                and torch.equal(kern.argmax_triton(x), x.argmax(-1)))
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure: the torch path serves
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return None if same else "its tokens differ from the reference's"
+
+
+def sample_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, u: torch.Tensor, mode: str) -> torch.Tensor:
+    """The CUDA path without the kernel, in graph-capturable torch ops: the rows sorted once,
+    the CDF inverted in that order at the first uniform. Same distribution as the kernel's,
+    other tokens for the same uniforms; ~1.4 ms for (64, 128k) logits on an H200."""
+    greedy = logits.argmax(-1)
+    V = logits.shape[-1]
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x = logits.float() / t[:, None]
+    order = None
+    if mode == "filter":  # top-k on the tempered logits, softmax, top-p on the sorted rows
+        x, order = x.sort(-1, descending=True)
+        rank = torch.arange(V, device=x.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+        x = x.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+        probs = torch.softmax(x, -1)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)
+    else:
+        probs = torch.softmax(x, -1)
+    cdf = probs.cumsum(-1)
+    idx = (cdf < u[:, :1] * cdf[:, -1:]).sum(-1).clamp_max(V - 1)
+    tok = idx if order is None else order.gather(1, idx[:, None])[:, 0]
+    return torch.where(temperature > 0, tok, greedy)
 
 
 def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -67,3 +67,9 @@ def test_greedy_kernel_is_the_first_argmax():
     x[1, 10] = x[1, 3000] = 50.0  # a tie: the first index, as torch.argmax
     x[2] = 0.0
     assert kern.argmax_triton(x).tolist() == x.argmax(-1).tolist()
+
+
+@pytest.mark.cuda
+def test_the_kernel_serves_this_gpu():
+    from llmaccel.runtime.sampler import kernel_check
+    assert kernel_check("cuda") is None

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from llmaccel.runtime.sampler import SamplingParams, filtered_probs, row_uniforms, sample_mode, sample_rows
+from llmaccel.runtime.sampler import (SamplingParams, filtered_probs, round_uniforms, row_uniforms, sample_mode,
+                                     sample_rows, sample_sorted)
 
 
 def _rows(n, **kw):
@@ -15,14 +16,20 @@ def _rows(n, **kw):
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
                                 dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, top_k=6, top_p=0.7)],
                          ids=["plain", "top-k", "top-p", "both"])
-def test_sampled_tokens_follow_the_filtered_distribution(kw):
+@pytest.mark.parametrize("how", ["sample_rows", "sample_sorted"])
+def test_sampled_tokens_follow_the_filtered_distribution(kw, how):
     """20,000 rows of the same logits, each with its own seed: token counts against the
-    reference probabilities (chi-square), and no token outside the filtered support."""
+    reference probabilities (chi-square), and no token outside the filtered support; for the
+    sampler of every path (the reference's algorithm) and the CUDA fallback (sample_sorted)."""
     V, n = 12, 20000
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 2
     t, k, p, mode, params = _rows(n, **kw)
     seeds = torch.arange(n, dtype=torch.int64) * 7919 + 11
-    toks = sample_rows(logits.expand(n, V), t, k, p, seeds, torch.full((n,), 5), mode)
+    pos = torch.full((n,), 5)
+    if how == "sample_rows":
+        toks = sample_rows(logits.expand(n, V), t, k, p, seeds, pos, mode)
+    else:
+        toks = sample_sorted(logits.expand(n, V), t, k, p, round_uniforms(seeds, pos, 1), mode)
     want = filtered_probs(logits[None], params)[0]
     counts = torch.bincount(toks, minlength=V).double()
     assert counts[want == 0].sum() == 0
