@@ -91,7 +91,7 @@ def run_op(kb, bo, M, K, N, fused, sweep):
     return {"M": M, "K": K, "N": N, "fused": fused, "max_rel_err": err,
             "us_bitlinear": t_ours * 1e6, "us_bf16": t_base * 1e6,
             "speedup": t_base / t_ours, "gbps": nbytes / t_ours / 1e9,
-            "of_copy": nbytes / t_ours / COPY_BW, "default_config": kb.default_config(M, N, K),
+            "of_copy": nbytes / t_ours / COPY_BW, "default_config": kb.default_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count),
             "best_config": best_cfg, "us_best": t_best * 1e6}
 
 

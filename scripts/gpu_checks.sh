@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of checks and kernel benchmarks, each under its own time limit, with
 # the whole run kept under DEADLINE seconds (default 560). Logs and JSON go to $OUT.
-#   OUT=/dir STEPS="tests gemv bitlinear sla sparse spec probe ncu" scripts/gpu_checks.sh
+#   OUT=/dir STEPS="tests gemv bitlinear sla sparse spec qtests" scripts/gpu_checks.sh
 # spec needs the real SmolLM2 GGUF at $GGUF (default /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf).
 set -u
 OUT=${OUT:-out/gpu_checks}
@@ -40,13 +40,6 @@ for s in $STEPS; do
               $([ "$d" = none ] || echo --speculative "$d") --no-profile --json
           done ;;
     qtests) run quant_tests 150 $PY -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_quant_linear.py ;;
-    probe) run int4_probe 200 $PY scripts/gpu_int4_probe.py ;;
-    ncu)  # Nsight Compute on the int4 GEMV's default tiles: the LM head and a gate/up matrix
-      for c in 2048x128256:default 2048x8192:default; do
-        run "ncu_${c%%:*}" 90 ncu --clock-control none -k regex:"_int4_" --launch-skip 2 --launch-count 1 \
-          --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-          --section MemoryWorkloadAnalysis $PY scripts/gpu_int4_probe.py --ncu "$c"
-      done ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -13,7 +13,7 @@ Goal (issue 3): int4 at batch 1 >= 3x bf16 and >= 70% of copy bandwidth; int8 ~1
 
 Usage: python scripts/gpu_quant_bench.py [--no-sweep] [--budget 130] [--batches 1,4,16]
        [--ops int4,int8]   (short batch-1 int4 re-run: --batches 1 --budget 90 --ops int4)
-Prints the table last and `TUNED[...] = ...` lines for llmaccel/kernels/quant_linear.py; the full
+Prints the table last and `TUNED[device][...] = ...` lines for llmaccel/kernels/quant_linear_configs.py; the full
 JSON goes to $OUT/quant_bench.json when OUT is set. Runs in under ~3 minutes on the H200 (the
 sweep stops at --budget seconds; batch 1 is swept first).
 """
@@ -237,8 +237,9 @@ def main() -> None:
                 return lambda i: (lambda: ql.linear_int8_triton(x, c_int8[i]["q8"], c_int8[i]["s8"],
                                                                 config=cfg))
 
-            d4 = ql.int4_config(M, N, K, gs, ql._n_sm(x.device), asm=not ql._ASM_FAILED)
-            d8 = ql.int8_config(M, N, K, ql._n_sm(x.device))
+            dev = torch.cuda.get_device_name(x.device)
+            d4 = ql.int4_config(M, N, K, gs, ql._n_sm(x.device), asm=ql._asm_works(x.device.index or 0), device=dev)
+            d8 = ql.int8_config(M, N, K, ql._n_sm(x.device), dev)
             err4 = rel_err(ql.linear_int4_triton(x, W["qw"], W["sc"], W["zr"], group_size=gs), exp4)
             err8 = rel_err(ql.linear_int8_triton(x, W["q8"], W["s8"]), exp8)
             t_bf16 = time_graph(lambda i: (lambda: F.linear(x, c_bf16[i]["w"])), len(c_bf16))
@@ -291,7 +292,7 @@ def main() -> None:
         for op in ("int4", "int8"):
             cfg = r[f"{op}_best_config"]
             key = (op, r["N"], r["K"], gs if op == "int4" else 0, r["batch"])
-            print(f"TUNED[{key!r}] = {cfg!r}")
+            print(f"TUNED[{torch.cuda.get_device_name()!r}][{key!r}] = {cfg!r}")
     print(f"\n{torch.cuda.get_device_name()}, CUDA-graph timings, weights cold in L2; "
           f"% = of 4.27 TB/s (copy measured here: {bw_copy / 1e12:.2f} TB/s); "
           f"x = speedup over bf16; int4 g{gs}; {time.time() - t_start:.0f} s")

@@ -22,9 +22,29 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Under the interpreter there is no device to ask: launch configurations are chosen as for an
+# H200 (132 SMs), so the CPU tests run the tile and split choices the GPU runs.
+INTERPRETER_SMS = 132
+
+
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the property query is slow)."""
+    """Streaming multiprocessors of a CUDA device (cached: the property query is slow);
+    INTERPRETER_SMS for any other device."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str | None:
+    """The CUDA device's name (the key of measured tuning tables); None for other devices."""
+    if device.type != "cuda":
+        return None
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def registered(name: str) -> bool:
@@ -49,8 +69,7 @@ def _gdc_capable(device_index: int) -> bool:
 
 def pdl_enabled(x: torch.Tensor) -> bool:
     """Whether kernels reading x launch with programmatic dependent launch: a CUDA tensor on
-    sm90+, a compiled (not interpreted) Triton with grid dependency control, and LLMACCEL_PDL
-    not set to 0 (measurements with and without it in one process)."""
-    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("LLMACCEL_PDL") == "0":
+    sm90+ and a compiled (not interpreted) Triton with grid dependency control."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _gdc_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from llmaccel.kernels import cdiv, registered
+from llmaccel.kernels import cdiv, registered, sm_count
 from llmaccel.ops import bitlinear as ref
 
 try:  # kernels are optional: every non-CUDA path works without triton
@@ -142,7 +142,7 @@ if triton is not None:
 _INTERPRETED = triton is not None and type(_bitlinear_kernel).__name__ == "InterpretedFunction"
 
 
-def default_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
+def default_config(M: int, N: int, K: int, n_sm: int) -> dict:
     """Tiles: decode (M <= 16) splits K until about two programs per SM; prefill does not."""
     kp = ref.padded_in(K)
     if M <= GEMV_MAX_M:
@@ -170,7 +170,7 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    cfg = dict(config or default_config(M, N, K))
+    cfg = dict(config or default_config(M, N, K, sm_count(x.device)))
     split = cfg.pop("SPLIT_K", 1)
     kp = ref.padded_in(K)
     k_per = cdiv(cdiv(kp, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]

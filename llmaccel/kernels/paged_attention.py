@@ -278,10 +278,10 @@ def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int) ->
 def split_plan(q: torch.Tensor, n_kv: int, max_len: int, block_n: int,
                num_splits: int | None = None) -> tuple[int, int]:
     """(splits, tokens per split) of a decode over contexts up to max_len: decode_splits on the
-    device's SM count (132, an H200's, under the interpreter), each split a whole number of
+    device's SM count (kernels.INTERPRETER_SMS under the interpreter), each split a whole number of
     block_n tiles."""
     n = num_splits or decode_splits(q.shape[0], n_kv, max_len, block_n,
-                                    sm_count(q.device) if q.is_cuda else 132)
+                                    sm_count(q.device))
     split_len = cdiv(cdiv(max_len, n), block_n) * block_n
     return cdiv(max_len, split_len), split_len
 

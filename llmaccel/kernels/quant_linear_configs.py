@@ -11,41 +11,43 @@ from llmaccel.kernels import cdiv
 
 GEMV_MAX_M = 16
 
-# Measured best tiles on the H200, keyed (op, N, K, group_size (0 for int8), batch bucket 1/4/16);
-# lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...] = ...") are pasted here.
-TUNED: dict = {}
+# Measured best tiles per device name, then (op, N, K, group_size (0 for int8), batch bucket
+# 1/4/16); lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...][...] = ...") are
+# pasted here. Another GPU gets the heuristics until it is swept.
+TUNED: dict[str, dict] = {}
+H200 = TUNED.setdefault("NVIDIA H200", {})
 # NVIDIA H200, scripts/gpu_quant_bench.py (run 1: 130 s budget, batches 1,4,16; int4 batch-1
 # entries from run 2: --batches 1 --budget 90 --ops int4)
-TUNED[('int4', 8192, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_G': 4, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 1, 'STAGES': 3}
-TUNED[('int8', 8192, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
-TUNED[('int4', 2048, 8192, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
-TUNED[('int8', 2048, 8192, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 2}
-TUNED[('int4', 128256, 2048, 128, 1)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
-TUNED[('int8', 128256, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
-TUNED[('int4', 2048, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
-TUNED[('int8', 2048, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
-TUNED[('int4', 512, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
-TUNED[('int8', 512, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
-TUNED[('int4', 8192, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 8192, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 2048, 8192, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 2048, 8192, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 128256, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 128256, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 2048, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 2048, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 512, 2048, 128, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int8', 512, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 8192, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 8192, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 2048, 8192, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 2048, 8192, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 128256, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
-TUNED[('int8', 128256, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 2048, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int8', 2048, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int4', 512, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
-TUNED[('int8', 512, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 8192, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_G': 4, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 1, 'STAGES': 3}
+H200[('int8', 8192, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+H200[('int4', 2048, 8192, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+H200[('int8', 2048, 8192, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 2}
+H200[('int4', 128256, 2048, 128, 1)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H200[('int8', 128256, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 8, 'BLOCK_W': 256, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+H200[('int4', 2048, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+H200[('int8', 2048, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
+H200[('int4', 512, 2048, 128, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_G': 16, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 4}
+H200[('int8', 512, 2048, 0, 1)] = {'kernel': 'gemv', 'BLOCK_N': 4, 'BLOCK_W': 512, 'UNPACK': 0, 'SPLIT_K': 1, 'num_warps': 8}
+H200[('int4', 8192, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 8192, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 2048, 8192, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 2048, 8192, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 128256, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 128256, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 2048, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 2048, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 512, 2048, 128, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
+H200[('int8', 512, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 8192, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 8192, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 2048, 8192, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 2048, 8192, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 128256, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 256, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 8, 'num_stages': 3, 'PREFETCH': False}
+H200[('int8', 128256, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 2048, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H200[('int8', 2048, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H200[('int4', 512, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
+H200[('int8', 512, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}
 
 
 def _pow2(n: int) -> int:
@@ -75,12 +77,13 @@ def _split_for(programs: int, steps: int, n_sm: int) -> int:
     return split
 
 
-def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: bool = False) -> dict:
+def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = False,
+                device: str | None = None) -> dict:
     """Defaults chosen from sm_90 SASS of each variant (instructions per weight byte, registers,
-    no spills); TUNED holds what the H200 sweep measured. `asm`: bf16 on CUDA, where the
+    no spills); TUNED[device] holds what a sweep on that device measured. `asm`: bf16 on CUDA, where the
     PTX-dequantizing tensor-core kernel (about 7-9 instructions per weight byte against 11 for
     the fp32 GEMV) may be used."""
-    hit = TUNED.get(("int4", N, K, group_size, batch_bucket(M)))
+    hit = TUNED.get(device, {}).get(("int4", N, K, group_size, batch_bucket(M)))
     if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] != "gemv") and \
             (asm or hit["kernel"] != "dotasm"):
         return dict(hit)
@@ -112,8 +115,8 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int = 132, asm: b
     return dict(kernel="gemv", BLOCK_N=bn, BLOCK_G=bg, UNPACK=0, SPLIT_K=split, num_warps=warps)
 
 
-def int8_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
-    hit = TUNED.get(("int8", N, K, 0, batch_bucket(M)))
+def int8_config(M: int, N: int, K: int, n_sm: int, device: str | None = None) -> dict:
+    hit = TUNED.get(device, {}).get(("int8", N, K, 0, batch_bucket(M)))
     if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] == "dot"):
         return dict(hit)
     if M > 2 or K % 4:

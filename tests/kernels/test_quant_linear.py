@@ -187,8 +187,9 @@ def test_default_configs_are_launchable():
     # tile sizes must be powers of two and the dot path needs tiles of at least 16
     for K, N in GPU_SHAPES + [(576, 1536), (1536, 576)]:
         for M in (1, 2, 4, 9, 16, 17, 512):
-            for cfg in (ql_mod.int4_config(M, N, K, 128), ql_mod.int4_config(M, N, K, 128, asm=True),
-                        ql_mod.int8_config(M, N, K)):
+            for cfg in (ql_mod.int4_config(M, N, K, 128, 132), ql_mod.int4_config(M, N, K, 128, 132, asm=True),
+                        ql_mod.int4_config(M, N, K, 128, 132, asm=True, device="NVIDIA H200"),
+                        ql_mod.int8_config(M, N, K, 132), ql_mod.int8_config(M, N, K, 132, "NVIDIA H200")):
                 blocks = [v for k, v in cfg.items() if k.startswith("BLOCK")]
                 assert all(b & (b - 1) == 0 for b in blocks), cfg
                 assert cfg["kernel"] != "gemv" or M <= ql_mod.GEMV_MAX_M
