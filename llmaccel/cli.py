@@ -66,7 +66,7 @@ def cmd_eval(a) -> None:
 def cmd_generate(a) -> None:
     from llmaccel.compiler.model import load
     from llmaccel.runtime.engine import LLM
-    from llmaccel.runtime.sampler import SamplingParams
+    from llmaccel.sampling import SamplingParams
 
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             max_tokens=a.max_new_tokens, seed=a.seed, ignore_eos=a.ignore_eos,

@@ -11,7 +11,7 @@ from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.eval.perplexity import evaluate
 from llmaccel.eval.text import file_tokens
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 WIKI = Path(__file__).resolve().parents[1] / "data" / "wikitext2" / "wiki.test.raw"

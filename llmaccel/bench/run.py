@@ -141,7 +141,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs."""
     from llmaccel.compiler.pipeline import compile as compile_model
     from llmaccel.runtime.engine import LLM
-    from llmaccel.runtime.sampler import SamplingParams
+    from llmaccel.sampling import SamplingParams
 
     if min(batch, prompt_len, gen_len) < 1:
         raise LlmaccelError(f"--batch, --prompt-len and --gen-len must be positive "

@@ -25,10 +25,10 @@ import torch
 import torch.fx
 
 from llmaccel import ops
-from llmaccel.compiler.families import set_weight
+from llmaccel.ir import set_weight
 from llmaccel.ops import quant as qops
 from llmaccel.ops.rope import rope_inv_freq
-from llmaccel.passes.ir import weight_of
+from llmaccel.ir import weight_of
 
 # IR ops that never map to a custom op by name: attention takes the attention context (a
 # Python object, not a tensor) and rope is lowered to the table form below.

@@ -11,7 +11,7 @@ import torch
 from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.ops.kvquant import QuantizedKVCache, kv_quant_attention
 from llmaccel.ops.sla import LinearAttentionCache, linear_attention
-from llmaccel.runtime.sampler import SamplingParams, request_seed, sample
+from llmaccel.sampling import SamplingParams, request_seed, sample
 
 
 def kv_quant_specs(gm: torch.fx.GraphModule) -> dict[int, dict]:

@@ -13,6 +13,7 @@ import torch.fx
 import torch.nn as nn
 
 from llmaccel import ops
+from llmaccel.ir import set_weight
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.rope import rope_inv_freq
@@ -51,19 +52,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = (cfg.vocab_size, D)
     return s
-
-
-def set_weight(root: nn.Module, name: str, value: torch.Tensor) -> None:
-    """Attach a tensor at a dotted name, creating holder modules on the way."""
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if leaf in mod._parameters:
-        del mod._parameters[leaf]
-    mod.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
 
 
 def _get(m: nn.Module, name: str):

@@ -1,7 +1,6 @@
 """A compiled model: the IR graph, its config, its tokenizer and how it was made."""
 from __future__ import annotations
 
-from collections import Counter
 from functools import cached_property
 from typing import Iterator
 
@@ -10,12 +9,13 @@ import torch.fx
 import torch.nn as nn
 
 from llmaccel.compiler import executor
-from llmaccel.compiler.families import capture, set_weight
+from llmaccel.compiler.families import capture
 from llmaccel.compiler.serialize import graph_from_json
 from llmaccel.compiler.sources import resolve
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.ir import op_counts, set_weight
+from llmaccel.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -46,17 +46,6 @@ def build_graph_module(graph: torch.fx.Graph, weights: dict[str, torch.Tensor], 
     for k, v in weights.items():
         set_weight(root, k, v)
     return torch.fx.GraphModule(root, graph, class_name=name)
-
-
-def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
-    c: Counter = Counter()
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            mod = getattr(n.target, "__module__", "") or ""
-            c[n.target.__name__ if mod.startswith("llmaccel.ops") else f"glue:{n.target.__name__}"] += 1
-        elif n.op == "call_method":
-            c[f"glue:.{n.target}"] += 1
-    return dict(sorted(c.items()))
 
 
 class Model:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from llmaccel.compiler.model import Model, load, op_counts
+from llmaccel.compiler.model import Model, load
+from llmaccel.ir import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import SPLITS, load_tokens
 from llmaccel.passes import get_pass

@@ -1,6 +1,6 @@
 """Sampling without a sort: temperature, top-k and top-p per row, one program per row.
 
-The reference is llmaccel.runtime.sampler.sample_reference; this kernel runs the same
+The reference is llmaccel.sampling.sample_reference; this kernel runs the same
 algorithm, pass for pass, so both draw the same token from the same uniforms (up to the
 summation order of the prefix sums, which can only matter when a uniform falls within a few
 ulps of a token's boundary):

@@ -41,7 +41,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import bitlinear as bl
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, op_nodes, prune_weights, weight_of
+from llmaccel.ir import add_weight, is_op, op_nodes, prune_weights, weight_of
 
 _TRAIN_OPS = (bl.bitlinear_train, bl.rms_norm_bitlinear_train)
 _LAMBDA = "bitlinear_lambda"     # 0-d buffer on the graph module (a buffer: heal never trains it)

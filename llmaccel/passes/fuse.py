@@ -15,7 +15,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, fold_affine, is_op, op_nodes, prune_weights, weight_of
+from llmaccel.ir import add_weight, fold_affine, is_op, op_nodes, prune_weights, weight_of
 
 
 @dataclass

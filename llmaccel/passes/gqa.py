@@ -28,7 +28,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fuse import fuse_linears
-from llmaccel.passes.ir import is_op, op_nodes, probe, prune_weights, replace_weight, unfuse_linears, weight_of
+from llmaccel.ir import is_op, op_nodes, probe, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
 @dataclass

@@ -26,7 +26,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import continue_samples
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import is_op, weight_of
+from llmaccel.ir import is_op, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
 _MAX_WINDOWS = 4096

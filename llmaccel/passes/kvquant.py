@@ -18,7 +18,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.kvquant import bytes_per_token, kv_quant_attention, make_spec
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import op_nodes
+from llmaccel.ir import op_nodes
 
 
 @dataclass

@@ -24,7 +24,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import quant as qops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, prune_weights, replace_weight, weight_of
+from llmaccel.ir import add_weight, is_op, prune_weights, replace_weight, weight_of
 from llmaccel.quant.algorithms import Grid, awq_clip, awq_scale, gptq, refit_scales, source_correct
 
 __all__ = ["PASS", "QuantConfig", "Grid", "awq_clip", "awq_scale", "gptq", "source_correct"]

@@ -20,7 +20,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sparse import relu_glu, sparse_down
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, op_nodes, probe, prune_weights, replace_weight, weight_of
+from llmaccel.ir import add_weight, is_op, op_nodes, probe, prune_weights, replace_weight, weight_of
 
 ACT_OPS = (ops.relu_mul, relu_glu)
 

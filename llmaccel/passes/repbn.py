@@ -40,11 +40,11 @@ import torch.fx
 import torch.nn as nn
 
 from llmaccel import ops
-from llmaccel.compiler.model import op_counts
+from llmaccel.ir import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights, weight_of
+from llmaccel.ir import add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights, weight_of
 
 _NORMS = (ops.rms_norm, ops.layer_norm)
 _FUSED = (ops.add_rms_norm, ops.add_layer_norm)

@@ -37,7 +37,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
+from llmaccel.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
 
 
 @dataclass

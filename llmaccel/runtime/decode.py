@@ -38,7 +38,7 @@ from llmaccel.kernels.paged_rope import slots_of  # also registers llmaccel::pag
 from llmaccel.codegen.lower import load_kernel_modules, lower
 from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
-from llmaccel.runtime.sampler import logprob_pairs, sample_rows, token_logprobs
+from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
 
 MIN_WIDTH = 8  # blocks per table row in the narrowest graph
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity

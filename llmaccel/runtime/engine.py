@@ -18,7 +18,7 @@ from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
-from llmaccel.runtime.sampler import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
+from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                       sample_mode, sample_rows, token_logprobs)
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmaccel.runtime.sampler import SamplingParams, request_seed
+from llmaccel.sampling import SamplingParams, request_seed
 
 _ids = itertools.count()
 

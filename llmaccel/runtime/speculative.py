@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from llmaccel.runtime.kv_cache import PagedKVCache, build_step
-from llmaccel.runtime.sampler import filtered_probs
+from llmaccel.sampling import filtered_probs
 
 
 def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor | None, params,

@@ -7,7 +7,7 @@ import torch._dynamo
 from llmaccel import LLM
 from llmaccel.compiler import executor
 from llmaccel.compiler.pipeline import compile
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 pytestmark = pytest.mark.cuda
 

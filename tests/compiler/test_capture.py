@@ -9,7 +9,7 @@ from llmaccel.compiler.model import load, Model
 from llmaccel.compiler.families import capture
 from llmaccel.compiler.presets import PRESETS, random_weights
 from llmaccel.config import ModelConfig
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 TINY = ["preset:tiny-llama", "preset:tiny-gpt2"]
 

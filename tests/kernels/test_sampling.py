@@ -1,4 +1,4 @@
-"""The sort-free sampling kernel against sample_reference (runtime/sampler.py).
+"""The sort-free sampling kernel against sample_reference (llmaccel/sampling.py).
 
 Both run the same algorithm on the same uniforms, so they draw the same tokens; they may part
 only where a uniform falls within a few ulps of a token's CDF boundary (another summation
@@ -10,7 +10,7 @@ algorithm follows the filtered distribution is tested on the reference (tests/ru
 import pytest
 import torch
 
-from llmaccel.runtime.sampler import ROUNDS, filtered_probs, round_uniforms, sample_reference, SamplingParams
+from llmaccel.sampling import ROUNDS, filtered_probs, round_uniforms, sample_reference, SamplingParams
 
 kern = pytest.importorskip("llmaccel.kernels.sampling")
 if not kern.HAS_TRITON:
@@ -71,5 +71,5 @@ def test_greedy_kernel_is_the_first_argmax():
 
 @pytest.mark.cuda
 def test_the_kernel_serves_this_gpu():
-    from llmaccel.runtime.sampler import kernel_check
+    from llmaccel.sampling import kernel_check
     assert kernel_check("cuda") is None

@@ -14,8 +14,8 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops import bitlinear as bo
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
-from llmaccel.passes.ir import op_nodes, weight_of
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.ir import op_nodes, weight_of
+from llmaccel.sampling import SamplingParams
 
 BITLINEAR = get_pass("bitlinear")
 PACKED_OPS = (bo.bitlinear, bo.rms_norm_bitlinear)

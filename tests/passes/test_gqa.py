@@ -12,7 +12,7 @@ from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.gqa import _cmul_rows
-from llmaccel.passes.ir import op_nodes, weight_of
+from llmaccel.ir import op_nodes, weight_of
 
 CALIB = {"calib_samples": "4", "calib_seq_len": "32"}
 

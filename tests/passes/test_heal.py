@@ -13,7 +13,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.heal import trainable_weights, with_hidden
-from llmaccel.passes.ir import op_nodes, weight_of
+from llmaccel.ir import op_nodes, weight_of
 
 
 def _ctx(src, model):
@@ -62,7 +62,7 @@ def test_heal_keeps_embedding_and_tied_weights():
 def test_trainable_weights_skip_integer_and_their_scales():
     m = load("preset:tiny-llama")
     lin = op_nodes(m.gm, ops.linear)[0]
-    from llmaccel.passes.ir import add_weight
+    from llmaccel.ir import add_weight
     q = add_weight(m.gm, "packed.qweight", torch.zeros(4, 4, dtype=torch.int8), lin)
     s = add_weight(m.gm, "packed.scales", torch.ones(4), lin)
 

@@ -16,7 +16,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.eval.perplexity import evaluate
 from llmaccel.ops import kvquant as kq
 from llmaccel.ops.attention import ContiguousKVCache, attend_heads, merge_heads, split_heads
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 SMALL = {"kvquant": {"bits": "4", "group": "4", "residual": "8"}}
 

@@ -12,7 +12,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sparse import relu_glu, sparse_down
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
-from llmaccel.passes.ir import op_nodes, weight_of
+from llmaccel.ir import op_nodes, weight_of
 from llmaccel.passes.relu import measure_sparsity
 
 CALIB = {"calib_samples": "4", "calib_seq_len": "32"}

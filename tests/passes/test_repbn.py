@@ -15,7 +15,7 @@ from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.heal import trainable_weights
-from llmaccel.passes.ir import op_nodes, weight_of
+from llmaccel.ir import op_nodes, weight_of
 from llmaccel.passes.repbn import RepBN
 
 SRCS = ["preset:tiny-llama", "preset:tiny-gpt2"]

@@ -13,7 +13,7 @@ from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.ops.sla import LinearAttentionCache, linear_attention, sla_forward, state_bytes
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 FAST = {"sla": {"calib_samples": "2", "calib_seq_len": "32"}}
 HEAL = {"steps": 3, "seq_len": 16, "batch": 1, "eval_windows": 2}

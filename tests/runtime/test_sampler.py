@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llmaccel.runtime.sampler import (SamplingParams, filtered_probs, round_uniforms, row_uniforms, sample_mode,
+from llmaccel.sampling import (SamplingParams, filtered_probs, round_uniforms, row_uniforms, sample_mode,
                                      sample_rows, sample_sorted)
 
 

@@ -1,14 +1,40 @@
-"""Small helpers that passes share for reading and rewriting IR nodes and weights."""
+"""The graph helpers of the IR, at the bottom of the layers: queries and rewrites of nodes and
+weights that passes, lowering and the compiler share."""
 from __future__ import annotations
 
 import copy
 import operator
+from collections import Counter
 
 import torch
 import torch.fx
+import torch.nn as nn
 
 from llmaccel import ops
-from llmaccel.compiler.families import set_weight
+
+
+def set_weight(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Attach a tensor at a dotted name, creating holder modules on the way."""
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if leaf in mod._parameters:
+        del mod._parameters[leaf]
+    mod.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+
+
+def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    c: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            mod = getattr(n.target, "__module__", "") or ""
+            c[n.target.__name__ if mod.startswith("llmaccel.ops") else f"glue:{n.target.__name__}"] += 1
+        elif n.op == "call_method":
+            c[f"glue:.{n.target}"] += 1
+    return dict(sorted(c.items()))
 
 
 def is_op(node: torch.fx.Node, *fns) -> bool:
