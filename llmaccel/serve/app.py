@@ -119,16 +119,22 @@ class Server:
 
     # -------------------------------------------------------------- talking to the engine
     async def _next(self, job: Job, request: Request):
-        try:
-            return job.events.get_nowait()
-        except asyncio.QueueEmpty:
-            pass
+        """The job's next event; ClientGone once its client has closed the connection (checked
+        every POLL_S, whether events flow or not)."""
         while True:
+            now = time.monotonic()
+            if now - job.checked > POLL_S:
+                job.checked = now
+                if await request.is_disconnected():
+                    raise ClientGone
+            try:
+                return job.events.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
             try:
                 return await asyncio.wait_for(job.events.get(), POLL_S)
             except TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone from None
+                pass
 
     async def start(self, prompts, params, request: Request) -> Job:
         """Submit a job and wait until the engine took it (its errors are raised here)."""

@@ -59,6 +59,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self._aio = asyncio.get_running_loop()
         self.t0 = time.perf_counter()
+        self.checked = time.monotonic()  # when the handler last asked whether its client is there
         self.done = False  # set by the handler when it saw every choice finish or an error
 
     def post(self, item) -> None:
