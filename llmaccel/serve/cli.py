@@ -9,6 +9,8 @@ import sys
 
 from llmaccel.errors import LlmaccelError
 
+SWITCH_INTERVAL_S = 0.001
+
 
 def _need_extra() -> None:
     try:
@@ -50,6 +52,10 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
     # uvicorn re-raises the signal it stopped on with the handler it found: a handler that does
     # nothing makes SIGTERM end the process with status 0 once the server is down
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # The engine thread and the event loop share the GIL. A thread coming back from a call that
+    # released it (a CUDA sync, a socket write) waits until the holder yields, by default up to
+    # 5 ms; the engine would idle that long behind the HTTP work each time.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _Server(config).run(sockets=[sock])
 
 

@@ -56,18 +56,35 @@ class Job:
 
     def __init__(self, prompts: list[list[int]], params: list[SamplingParams]):
         self.prompts, self.params = prompts, params
-        self.events: asyncio.Queue = asyncio.Queue()
-        self._aio = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()  # ACCEPTED, Deltas, or a ServeError
+        self.aio = asyncio.get_running_loop()
         self.t0 = time.perf_counter()
         self.checked = time.monotonic()  # when the handler last asked whether its client is there
         self.done = False  # set by the handler when it saw every choice finish or an error
 
-    def post(self, item) -> None:
-        """From the engine thread: an ACCEPTED, a Delta or a ServeError for the handler."""
-        try:
-            self._aio.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+
+def _deliver(items: list[tuple[Job, object]]) -> None:
+    for job, item in items:
+        job.events.put_nowait(item)
+
+
+class _Outbox:
+    """Events gathered over one turn of the engine loop and handed to each event loop in one
+    call: a wake-up per turn, not one per event (256 streams emit 256 events a step)."""
+
+    def __init__(self):
+        self.items: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def post(self, job: Job, item) -> None:
+        self.items.setdefault(job.aio, []).append((job, item))
+
+    def flush(self) -> None:
+        items, self.items = self.items, {}
+        for aio, batch in items.items():
+            try:
+                aio.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
 
 
 @dataclass
@@ -89,6 +106,7 @@ class EngineLoop:
         self.has_text = llm.model.tokenizer_dir is not None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._choices: list[_Choice] = []
+        self._out = _Outbox()
         self._lock = threading.Lock()
         self._in_flight_adds = 0   # choices submitted, not yet added to the engine
         self._engine_waiting = 0   # choices in the engine that hold no KV blocks yet
@@ -137,16 +155,20 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while self._drain(block=not self._choices and not self.llm.has_unfinished()):
+                self._out.flush()  # acceptances and errors before a step that may be long
                 if self.llm.has_unfinished():
                     self._step()
                 self._emit()
+                self._out.flush()
                 self._publish()
         except BaseException as e:  # a bug in the loop itself: /health turns 503
             log.exception("engine loop died")
             self.error = e
             self._fail([c.job for c in self._choices], ServeError(500, f"engine loop died: {e}"))
+            self._out.flush()
             return
         self._fail([c.job for c in self._choices], ServeError(503, "the server is shutting down"))
+        self._out.flush()
         self._publish()
 
     def _drain(self, block: bool) -> bool:
@@ -181,10 +203,10 @@ class EngineLoop:
         except (ServeError, LlmaccelError) as e:
             for c in choices:
                 self.llm.abort(c.seq)
-            job.post(e if isinstance(e, ServeError) else ServeError(400, str(e)))
+            self._out.post(job, e if isinstance(e, ServeError) else ServeError(400, str(e)))
             return
         self._choices += choices
-        job.post(ACCEPTED)
+        self._out.post(job, ACCEPTED)
 
     def _fail(self, jobs: list[Job], err: ServeError | None) -> None:
         """Abort every sequence of these jobs (freeing their blocks); tell them err if any."""
@@ -199,7 +221,7 @@ class EngineLoop:
         self._choices = keep
         if err is not None:
             for j in {id(j): j for j in jobs}.values():
-                j.post(err)
+                self._out.post(j, err)
 
     def _step(self) -> None:
         try:
@@ -218,7 +240,7 @@ class EngineLoop:
         for c in self._choices:
             seq = c.seq
             if seq.n_output > c.sent_tokens or seq.finished:
-                c.job.post(self._delta(c))
+                self._out.post(c.job, self._delta(c))
                 if c.first_t is None and c.sent_tokens:
                     c.first_t = now
                     if self.metrics is not None:
