@@ -21,20 +21,15 @@ import argparse
 import asyncio
 import gc
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmaccel.serve.loadtest import LoadConfig, LoadTest  # noqa: E402
+from llmaccel.serve.loadtest import LoadConfig, LoadTest, serve_subprocess  # noqa: E402
 
 
 SHAPE = {"prompt_len": (128, 1024), "max_tokens": (128, 512), "vocab": 32000}  # --small shrinks it
@@ -47,26 +42,6 @@ def load_config(url: str, n: int, **kw) -> LoadConfig:
     return LoadConfig(**{**base, **kw})
 
 
-def start_server(src: str, max_seqs: int, device: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmaccel.cli", "serve", src, "--port", "0", "--max-num-seqs", str(max_seqs),
-         "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32",
-         "--no-prefix-caching", "--max-waiting", "100000", "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    line = proc.stdout.readline()
-    if " on http://" not in line:
-        raise SystemExit(f"the server did not start: {line!r}")
-    url = line.split(" on ")[1].strip().removesuffix("/v1")
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server never became healthy")
-
-
 def summary(res: dict) -> dict:
     keep = ("requests", "wall_s", "output_tokens", "output_tok_s", "ttft_s", "tpot_s", "itl_s",
             "kv_blocks_used_after", "checks", "ok", "problems")
@@ -74,8 +49,9 @@ def summary(res: dict) -> dict:
 
 
 def through_server(src: str, n: int, device: str) -> dict:
-    proc, url = start_server(src, n, device)
-    try:
+    with serve_subprocess(src, "--max-num-seqs", str(n), "--device", device, "--dtype",
+                          "bfloat16" if device == "cuda" else "float32", "--no-prefix-caching",
+                          "--max-waiting", "100000", "--log-level", "warning") as (url, _):
         run = lambda **kw: asyncio.run(LoadTest(load_config(url, n, **kw)).run())  # noqa: E731
         run()  # captures the CUDA graphs of the batch and width buckets this load needs
         load = run()
@@ -85,9 +61,6 @@ def through_server(src: str, n: int, device: str) -> dict:
         return {"load": summary(load), "load_10pct_disconnects": summary(cancel),
                 "one_request": {"tok_s": round(best["output_tokens"] / best["wall_s"], 1),
                                 "ttft_s": best["ttft_s"], "tpot_s": best["tpot_s"], "ok": best["ok"]}}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
 
 
 def offline(src: str, n: int, device: str) -> dict:

@@ -175,17 +175,20 @@ class Server:
 
     async def stream(self, job: Job, request: Request, env: Envelope, chunk, n_prompt: int,
                      include_usage: bool):
-        tokens = 0
+        tokens, out = 0, []
         try:
             try:
                 async for d in self.deltas(job, request):
                     tokens += len(d.token_ids)
-                    yield _sse(env.body([chunk(d)]))
+                    out.append(_sse(env.body([chunk(d)])))
+                    if job.events.empty():  # what came in one engine turn goes out in one write
+                        yield "".join(out)
+                        out = []
                 if include_usage:
-                    yield _sse(env.body([], usage=usage(n_prompt, tokens)))
+                    out.append(_sse(env.body([], usage=usage(n_prompt, tokens))))
             except ServeError as e:  # after the 200 went out: an error event, then the end
-                yield _sse(e.body)
-            yield "data: [DONE]\n\n"
+                out.append(_sse(e.body))
+            yield "".join(out) + "data: [DONE]\n\n"
         except ClientGone:
             pass
         finally:  # the client went away (the generator was closed) or the job ended

@@ -10,6 +10,7 @@ import sys
 from llmaccel.errors import LlmaccelError
 
 SWITCH_INTERVAL_S = 0.001
+BACKLOG = 2048
 
 
 def _need_extra() -> None:
@@ -31,8 +32,8 @@ def _check(a) -> None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    try:
-        return socket.create_server((host, port), reuse_port=False)
+    try:  # uvicorn's backlog: a burst of connections beyond it would be reset
+        return socket.create_server((host, port), backlog=BACKLOG)
     except OSError as e:
         raise LlmaccelError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 

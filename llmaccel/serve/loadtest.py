@@ -2,6 +2,7 @@
 
     python -m llmaccel.serve.loadtest --url http://127.0.0.1:8000 --requests 1000 --concurrency 200 \\
         --rate inf --cancel-frac 0.1 --bad-frac 0.05
+    python -m llmaccel.serve.loadtest --serve preset:tiny-llama     # starts and stops the server
 
 Poisson arrivals at --rate requests/s (inf: all at once), at most --concurrency in flight, each a
 streamed /v1/completions request of random token ids. A share of clients disconnect mid-stream,
@@ -15,11 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import shlex
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -259,6 +266,43 @@ class LoadTest:
         }
 
 
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+@contextlib.contextmanager
+def serve_subprocess(*args: str, timeout: float = 600.0):
+    """`llmc serve ARGS --port 0` with this interpreter and this checkout first on the path;
+    yields (base URL, process) once /health answers; SIGTERM (then SIGKILL) at the end."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "llmaccel.cli", "serve", *args, "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # "llmc serve: NAME on http://HOST:PORT/v1"
+        if " on http://" not in line:
+            raise RuntimeError(f"the server did not start (status {proc.wait(timeout)})")
+        url = line.split(" on ")[1].strip().removesuffix("/v1")
+        wait_healthy(url, timeout, proc)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def render(res: dict) -> str:
     lines = [f"{sum(res['requests'].values())} requests {res['requests']} in {res['wall_s']} s: "
              f"{res['output_tok_s']} output tok/s, {res['requests_s']} req/s, goodput "
@@ -277,7 +321,10 @@ def _range(s: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m llmaccel.serve.loadtest", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    where.add_argument("--serve", metavar="'SRC [OPTIONS]'",
+                       help="start `llmc serve SRC OPTIONS` on a free port for the run, e.g. 'preset:tiny-llama'")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=200)
     ap.add_argument("--rate", type=float, default=float("inf"), help="mean arrivals per second (Poisson); inf: all at once")
@@ -294,11 +341,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.requests < 1 or a.concurrency < 1 or a.rate <= 0 or not 0 <= a.cancel_frac + a.bad_frac <= 1:
         ap.error("--requests, --concurrency and --rate must be positive, the fractions sum to at most 1")
-    cfg = LoadConfig(**{k: v for k, v in vars(a).items() if k != "json"})
+    args = {k: v for k, v in vars(a).items() if k not in ("json", "serve")}
     try:
-        res = asyncio.run(LoadTest(cfg).run())
-    except httpx.HTTPError as e:
-        print(f"loadtest: error: cannot reach {a.url}: {e}", file=sys.stderr)
+        with (serve_subprocess(*shlex.split(a.serve)) if a.serve else contextlib.nullcontext((a.url, None))) as (url, _):
+            res = asyncio.run(LoadTest(LoadConfig(**{**args, "url": url})).run())
+    except (httpx.HTTPError, RuntimeError, TimeoutError) as e:
+        print(f"loadtest: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(render(res))
     if a.json:

@@ -216,7 +216,10 @@ class EngineLoop:
             if id(c.job) not in ids:
                 keep.append(c)
             elif not c.seq.finished:
-                self.llm.abort(c.seq)
+                try:
+                    self.llm.abort(c.seq)
+                except Exception:  # noqa: BLE001 - a sequence a failed step left half-updated
+                    log.exception("abort after a failure")
                 self._finished(c, "abort" if err is None else "error")
         self._choices = keep
         if err is not None:

@@ -7,8 +7,7 @@ import httpx
 import openai
 import pytest
 
-from llmaccel.serve.loadtest import LoadConfig, LoadTest
-from tests.serve.conftest import serve_subprocess
+from llmaccel.serve.loadtest import LoadConfig, LoadTest, serve_subprocess
 
 KEY = "k-123"
 MODEL = "preset:tiny-llama"
@@ -17,7 +16,8 @@ CTX = 512  # tiny-llama's context
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_subprocess(MODEL, "--api-key", KEY, "--max-waiting", "256", "--shutdown-timeout", "20") as s:
+    with serve_subprocess(MODEL, "--api-key", KEY, "--max-waiting", "256", "--shutdown-timeout", "20",
+                          "--log-level", "warning", timeout=60) as s:
         yield s
 
 
