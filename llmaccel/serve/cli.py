@@ -66,9 +66,9 @@ def cmd_serve(a) -> None:
     from llmaccel.runtime.engine import LLM
     from llmaccel.serve.app import create_app
 
-    llm = LLM(a.src, max_num_seqs=a.max_num_seqs, kv_cache_tokens=a.kv_cache_tokens,
-              max_num_batched_tokens=a.max_num_batched_tokens, speculative=a.speculative,
-              enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype)
+    opts = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
+    llm = LLM(a.src, max_num_seqs=a.max_num_seqs, kv_cache_tokens=a.kv_cache_tokens, speculative=a.speculative,
+              enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype, **opts)
     name = a.served_model_name or a.src
     app = create_app(llm, name=name, api_key=a.api_key or os.environ.get("LLMACCEL_API_KEY") or None,
                      max_waiting=a.max_waiting)
@@ -89,7 +89,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                                                    "(default: $LLMACCEL_API_KEY, else none)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences the engine runs at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: LLM's)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size (default: memory budget)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative", default=None, metavar="self|ngram|SRC")

@@ -31,3 +31,15 @@ def serve_thread(llm, **kw):
     finally:
         server.should_exit = True
         t.join(30)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """As in tests/runtime: one intra-op thread; tiny ops on a busy 2-core machine lose more to
+    thread hand-offs than they gain."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -105,3 +105,17 @@ def test_a_client_that_disconnects_frees_its_blocks_at_once(llm):
             httpx.post(f"{url}/v1/completions", json=body(max_tokens=450), timeout=0.3)
         idle(srv, timeout=4.0)
         assert 'llmaccel_sequences_finished_total{reason="abort"} 2.0' in httpx.get(f"{url}/metrics").text
+
+
+def test_bad_serve_options_exit_2_with_one_line(capsys):
+    import socket
+
+    from llmaccel.cli import main
+
+    assert main(["serve", "preset:tiny-llama", "--port", "70000"]) == 2
+    assert main(["serve", "preset:tiny-llama", "--max-waiting", "-1"]) == 2
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        assert main(["serve", "preset:tiny-llama", "--port", str(busy.getsockname()[1])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("llmc: error: ") for e in err), err
+    assert "--port must be at most 65535" in err[0] and "cannot listen" in err[2]

@@ -28,8 +28,8 @@ def client(server):
 
 def test_completions_with_the_openai_client(client):
     assert [m.id for m in client.models.list()] == [MODEL]
-    r = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=7, temperature=0,
-                                  logprobs=3, extra_body={"ignore_eos": True})
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=7, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True, "a_field_from_the_future": {"x": 1}})
     (c,) = r.choices
     assert c.finish_reason == "length" and r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 7
     assert len(c.logprobs.tokens) == 7 and all(len(t) <= 3 for t in c.logprobs.top_logprobs)
