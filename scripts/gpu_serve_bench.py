@@ -13,7 +13,8 @@
 
 Prints one JSON object: the ratios `load_ratio` (server / offline output tok/s, goal >= 0.9) and
 `one_request_overhead` (1 - server / offline tok/s, goal <= 0.05), and the checks of each run.
-Needs the serve extra (fastapi, uvicorn, prometheus-client, httpx) in the environment.
+Needs the serve extra (fastapi, uvicorn, prometheus-client, httpx) in the environment; docs/serving.md
+lists the wheels to carry to a machine without a package index.
 """
 from __future__ import annotations
 
