@@ -73,6 +73,7 @@ def test_streaming_with_usage(client):
     (dict(stop=["x"]), openai.BadRequestError, "stop strings need a tokenizer"),
     (dict(extra_body={"logprobs": 21}), openai.BadRequestError, "logprobs"),
     (dict(extra_body={"temperature": "hot"}), openai.BadRequestError, "temperature"),
+    (dict(extra_body={"top_k": 10**20}), openai.BadRequestError, "top_k"),
     (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
 ])
 def test_bad_requests_get_openai_errors(client, kw, cls, words):
