@@ -11,6 +11,7 @@ from llmaccel.errors import LlmaccelError
 
 SWITCH_INTERVAL_S = 0.001
 BACKLOG = 2048
+UVICORN_GRACE_S = 5.0
 
 
 def _need_extra() -> None:
@@ -45,11 +46,13 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            app.state.server.loop.close()
+            app.state.server.loop.close(grace=shutdown_timeout)
             super().handle_exit(sig, frame)
 
+    # The engine loop ends what is left after shutdown_timeout with a 503 each; uvicorn's own
+    # limit, later, only backs it up (it cancels handlers, which then answer a bare 500).
     config = uvicorn.Config(app, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout)
+                            timeout_graceful_shutdown=shutdown_timeout + UVICORN_GRACE_S)
     # uvicorn re-raises the signal it stopped on with the handler it found: a handler that does
     # nothing makes SIGTERM end the process with status 0 once the server is down
     signal.signal(signal.SIGTERM, lambda *_: None)

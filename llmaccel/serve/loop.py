@@ -111,6 +111,7 @@ class EngineLoop:
         self._in_flight_adds = 0   # choices submitted, not yet added to the engine
         self._engine_waiting = 0   # choices in the engine that hold no KV blocks yet
         self._closed = False
+        self._deadline: float | None = None  # when shutdown fails what is still in flight
         self.error: BaseException | None = None  # why the thread died, if it did
         self.snapshot: dict = {}  # engine figures for /metrics, replaced (not mutated) per turn
         self._thread = threading.Thread(target=self._run, name="llmaccel-engine", daemon=True)
@@ -124,10 +125,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def close(self) -> None:
-        """Stop admission: every later submit gets 503 (shutdown has begun)."""
+    def close(self, grace: float | None = None) -> None:
+        """Stop admission: every later submit gets 503 (shutdown has begun). After `grace`
+        seconds, requests still in flight end with 503 and their blocks are freed."""
         with self._lock:
             self._closed = True
+            if grace is not None:
+                self._deadline = time.monotonic() + grace
 
     def submit(self, job: Job) -> None:
         n = len(job.prompts)
@@ -155,6 +159,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while self._drain(block=not self._choices and not self.llm.has_unfinished()):
+                if self._deadline is not None and time.monotonic() > self._deadline and self._choices:
+                    self._fail([c.job for c in self._choices],
+                               ServeError(503, "the server shut down before this request finished"))
                 self._out.flush()  # acceptances and errors before a step that may be long
                 if self.llm.has_unfinished():
                     self._step()

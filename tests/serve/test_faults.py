@@ -119,3 +119,18 @@ def test_bad_serve_options_exit_2_with_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(e.startswith("llmc: error: ") for e in err), err
     assert "--port must be at most 65535" in err[0] and "cannot listen" in err[2]
+
+
+def test_shutdown_ends_what_is_left_after_the_grace_period_with_503(llm):
+    # (SIGTERM calls close(grace=--shutdown-timeout); tests/serve/test_server.py sends one)
+    with serve_thread(llm) as (url, srv):
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                          json=body(max_tokens=450, stream=True)) as s:
+            lines = (ln for ln in s.iter_lines() if ln.startswith("data: "))
+            assert json.loads(next(lines)[6:])["choices"]
+            srv.loop.close(grace=0.2)
+            rest = list(lines)
+        assert "shut down before this request finished" in rest[-2] and rest[-1] == "data: [DONE]"
+        r = httpx.post(f"{url}/v1/completions", json=body())
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        idle(srv)
