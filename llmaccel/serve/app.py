@@ -100,13 +100,12 @@ class Server:
             raise ServeError(400, f"the chat template rejects these messages: {e}", param="messages") from None
         return tok(text, add_special_tokens=False).input_ids
 
-    def max_tokens(self, ids: list[int], asked: int | None, param: str) -> int:
+    def max_tokens(self, ids: list[int], asked: int | None, param: str, prompt_param: str) -> int:
         """The tokens this prompt may generate: as asked, or up to the context's end."""
         room = self.ctx - len(ids)
         if room < 1:
             raise ServeError(400, f"the prompt has {len(ids)} tokens; the model context is {self.ctx} "
-                                  f"(prompt plus at least one new token must fit)", param="messages"
-                             if param == "max_completion_tokens" else "prompt")
+                                  f"(prompt plus at least one new token must fit)", param=prompt_param)
         if asked is not None and asked > room:
             raise ServeError(400, f"the prompt has {len(ids)} tokens and {param} is {asked}: "
                                   f"{len(ids) + asked} exceeds the model context of {self.ctx} tokens",
@@ -131,10 +130,15 @@ class Server:
                 return job.events.get_nowait()
             except asyncio.QueueEmpty:
                 pass
-            try:
-                return await asyncio.wait_for(job.events.get(), POLL_S)
-            except TimeoutError:
-                pass
+            # not wait_for: on Python 3.11 it can drop an item that arrives as the timeout fires
+            getter = asyncio.ensure_future(job.events.get())
+            done, _ = await asyncio.wait((getter,), timeout=POLL_S)
+            if not done:
+                getter.cancel()
+                await asyncio.wait((getter,))
+                if getter.cancelled():  # a cancelled Queue.get has taken no item
+                    continue
+            return getter.result()
 
     async def start(self, prompts, params, request: Request) -> Job:
         """Submit a job and wait until the engine took it (its errors are raised here)."""
@@ -276,7 +280,7 @@ def create_app(llm, *, name: str, api_key: str | None = None, max_waiting: int =
         req = await s.parse(request, CompletionRequest)
         prompts = [s.encode(p) for p in req.prompts]
         ids = [p for p in prompts for _ in range(req.n)]
-        params = [req.params(s.max_tokens(p, req.max_tokens, "max_tokens"), i % req.n, req.logprobs)
+        params = [req.params(s.max_tokens(p, req.max_tokens, "max_tokens", "prompt"), i % req.n, req.logprobs)
                   for i, p in enumerate(ids)]
         job = await s.start(ids, params, request)
         offsets = [0] * len(ids)
@@ -305,7 +309,7 @@ def create_app(llm, *, name: str, api_key: str | None = None, max_waiting: int =
         prompt = s.chat_ids(req)
         asked, param = ((req.max_completion_tokens, "max_completion_tokens")
                         if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-        mt = s.max_tokens(prompt, asked, param)
+        mt = s.max_tokens(prompt, asked, param, "messages")
         job = await s.start([prompt] * req.n, [req.params(mt, i, req.wanted_logprobs()) for i in range(req.n)],
                             request)
         started = set()
