@@ -181,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_passes)
 
     from llmaccel.bench.cli import add_parser as add_bench
+    from llmaccel.serve.cli import add_parser as add_serve
 
     add_bench(sub)
+    add_serve(sub)
     return ap
 
 

@@ -1,0 +1,5 @@
+"""`llmc serve`: an OpenAI-compatible HTTP server over LLM (FastAPI + uvicorn, the serve extra).
+
+app.py: routes and responses; protocol.py: request models; loop.py: the engine thread;
+metrics.py: Prometheus metrics; loadtest.py: the load and fault test client.
+"""

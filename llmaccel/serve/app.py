@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP API over one EngineLoop: routes, errors, streaming, auth."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from llmaccel.serve.loop import ACCEPTED, EngineLoop, Job, ServeError
+from llmaccel.serve.metrics import ServeMetrics
+from llmaccel.serve.protocol import (ChatRequest, Choices, CompletionRequest, Envelope, TokenNames,
+                                     usage)
+
+POLL_S = 1.0  # how often a handler that waits checks whether its client went away
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    errs = e.errors()
+    if errs and errs[0]["type"] == "json_invalid":
+        return f"the body is not valid JSON: {errs[0]['ctx'].get('error', '')}", None
+    param = str(errs[0]["loc"][0]) if errs and errs[0]["loc"] else None
+    shown = []
+    for err in errs:
+        line = f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}"
+        if line not in shown:
+            shown.append(line)
+    return "invalid request: " + "; ".join(shown[:3]), param
+
+
+class Server:
+    """The state the routes share: the engine loop, its model's facts, metrics, the API key."""
+
+    def __init__(self, llm, *, name: str, api_key: str | None = None, max_waiting: int = 1024):
+        self.name, self.api_key = name, api_key
+        self.metrics = ServeMetrics()
+        self.loop = EngineLoop(llm, max_waiting=max_waiting, metrics=self.metrics)
+        self.metrics.watch(self.loop)
+        self.ctx = llm.cfg.max_position
+        self.vocab = llm.cfg.vocab_size
+        self.tokenizer = None
+        if llm.model.tokenizer_dir is not None:
+            # a copy of its own: the engine thread decodes with the model's at the same time
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(llm.model.tokenizer_dir)
+        self.names = TokenNames(self.tokenizer)
+
+    # -------------------------------------------------------------- request checks
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise ServeError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                             code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise ServeError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
+                             param="model", code="model_not_found")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
+            if bad is not None:
+                raise ServeError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab - 1})",
+                                 param="prompt")
+            return prompt
+        return self.tokenizer_or_400()(prompt).input_ids
+
+    def tokenizer_or_400(self):
+        if self.tokenizer is None:
+            raise ServeError(400, f"{self.name} has no tokenizer: send prompts as lists of token ids "
+                                  f"to /v1/completions", param="prompt")
+        return self.tokenizer
+
+    def chat_ids(self, req: ChatRequest) -> list[int]:
+        tok = self.tokenizer_or_400()
+        if not getattr(tok, "chat_template", None):
+            raise ServeError(400, f"{self.name}'s tokenizer has no chat template", param="messages")
+        try:
+            text = tok.apply_chat_template(req.messages_for_template(), add_generation_prompt=True,
+                                           tokenize=False)
+        except Exception as e:  # noqa: BLE001 - the template rejects these messages (jinja)
+            raise ServeError(400, f"the chat template rejects these messages: {e}", param="messages") from None
+        return tok(text, add_special_tokens=False).input_ids
+
+    def max_tokens(self, ids: list[int], asked: int | None, param: str, prompt_param: str) -> int:
+        """The tokens this prompt may generate: as asked, or up to the context's end."""
+        room = self.ctx - len(ids)
+        if room < 1:
+            raise ServeError(400, f"the prompt has {len(ids)} tokens; the model context is {self.ctx} "
+                                  f"(prompt plus at least one new token must fit)", param=prompt_param)
+        if asked is not None and asked > room:
+            raise ServeError(400, f"the prompt has {len(ids)} tokens and {param} is {asked}: "
+                                  f"{len(ids) + asked} exceeds the model context of {self.ctx} tokens",
+                             param=param)
+        return room if asked is None else asked
+
+    def check_stop(self, stop) -> None:
+        if stop and self.tokenizer is None:
+            raise ServeError(400, f"stop strings need a tokenizer; {self.name} has none", param="stop")
+
+    # -------------------------------------------------------------- talking to the engine
+    async def _next(self, job: Job, request: Request):
+        """The job's next event; ClientGone once its client has closed the connection (checked
+        every POLL_S, whether events flow or not)."""
+        while True:
+            now = time.monotonic()
+            if now - job.checked > POLL_S:
+                job.checked = now
+                if await request.is_disconnected():
+                    raise ClientGone
+            try:
+                return job.events.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
+            # not wait_for: on Python 3.11 it can drop an item that arrives as the timeout fires
+            getter = asyncio.ensure_future(job.events.get())
+            done, _ = await asyncio.wait((getter,), timeout=POLL_S)
+            if not done:
+                getter.cancel()
+                await asyncio.wait((getter,))
+                if getter.cancelled():  # a cancelled Queue.get has taken no item
+                    continue
+            return getter.result()
+
+    async def start(self, prompts, params, request: Request) -> Job:
+        """Submit a job and wait until the engine took it (its errors are raised here)."""
+        job = Job(prompts, params)
+        self.loop.submit(job)
+        try:
+            item = await self._next(job, request)
+        except BaseException:
+            self.loop.abort(job)
+            raise
+        if isinstance(item, ServeError):
+            job.done = True
+            raise item
+        assert item is ACCEPTED, item
+        return job
+
+    async def deltas(self, job: Job, request: Request):
+        left = len(job.prompts)
+        while left:
+            item = await self._next(job, request)
+            if isinstance(item, ServeError):
+                job.done = True
+                raise item
+            left -= item.finish_reason is not None
+            if not left:
+                job.done = True
+            yield item
+
+    async def collect(self, job: Job, request: Request) -> Choices:
+        out = Choices(len(job.prompts))
+        try:
+            async for d in self.deltas(job, request):
+                out.add(d)
+        finally:
+            if not job.done:
+                self.loop.abort(job)
+        return out
+
+    async def stream(self, job: Job, request: Request, env: Envelope, chunk, n_prompt: int,
+                     include_usage: bool):
+        tokens, out = 0, []
+        try:
+            try:
+                async for d in self.deltas(job, request):
+                    tokens += len(d.token_ids)
+                    out.append(_sse(env.body([chunk(d)])))
+                    if job.events.empty():  # what came in one engine turn goes out in one write
+                        yield "".join(out)
+                        out = []
+                if include_usage:
+                    out.append(_sse(env.body([], usage=usage(n_prompt, tokens))))
+            except ServeError as e:  # after the 200 went out: an error event, then the end
+                out.append(_sse(e.body))
+            yield "".join(out) + "data: [DONE]\n\n"
+        except ClientGone:
+            pass
+        finally:  # the client went away (the generator was closed) or the job ended
+            if not job.done:
+                self.loop.abort(job)
+
+    async def parse(self, request: Request, cls):
+        """The checks every generation request passes before it reaches the engine."""
+        self.check_key(request)
+        try:
+            req = cls.model_validate_json(await request.body())
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise ServeError(400, msg, param=param) from None
+        self.check_model(req.model)
+        req.unsupported()
+        self.check_stop(req.stop)
+        return req
+
+    async def reply(self, job: Job, request: Request, req, env: Envelope, chunk, whole, n_prompt: int):
+        """A stream of chunk(delta) events, or the whole response from whole(choices)."""
+        if req.stream:
+            return self.respond(StreamingResponse(self.stream(job, request, env, chunk, n_prompt, req.include_usage),
+                                                  media_type="text/event-stream"))
+        out = await self.collect(job, request)
+        return self.respond(env.body(whole(out), usage=usage(n_prompt, sum(out.tokens))))
+
+    def respond(self, body: dict | StreamingResponse) -> Response:
+        self.metrics.requests.labels(status="200").inc()
+        return body if isinstance(body, Response) else JSONResponse(body)
+
+    def error(self, e: ServeError) -> JSONResponse:
+        self.metrics.requests.labels(status=str(e.status)).inc()
+        return JSONResponse(e.body, status_code=e.status)
+
+
+def create_app(llm, *, name: str, api_key: str | None = None, max_waiting: int = 1024) -> FastAPI:
+    s = Server(llm, name=name, api_key=api_key, max_waiting=max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        s.loop.start()
+        yield
+        s.loop.shutdown()
+
+    app = FastAPI(title="llmaccel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = s
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(request, e: ServeError):
+        return s.error(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        return s.error(ServeError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e: ClientGone):  # nobody reads this; counted as nginx does
+        s.metrics.requests.labels(status="499").inc()
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):
+        return s.error(ServeError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.get("/health")
+    async def health():
+        if not s.loop.alive:
+            return s.error(ServeError(503, f"the engine loop has stopped: {s.loop.error!r}"))
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        s.check_key(request)
+        return s.respond({"object": "list", "data": [
+            {"id": s.name, "object": "model", "created": int(time.time()), "owned_by": "llmaccel",
+             "max_model_len": s.ctx}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await s.parse(request, CompletionRequest)
+        prompts = [s.encode(p) for p in req.prompts]
+        ids = [p for p in prompts for _ in range(req.n)]
+        params = [req.params(s.max_tokens(p, req.max_tokens, "max_tokens", "prompt"), i % req.n, req.logprobs)
+                  for i, p in enumerate(ids)]
+        job = await s.start(ids, params, request)
+        offsets = [0] * len(ids)
+
+        def lp(i, entries):
+            if req.logprobs is None:
+                return None
+            out = s.names.completion_logprobs(entries, offsets[i])
+            offsets[i] += sum(map(len, out["tokens"]))
+            return out
+
+        def chunk(d):
+            return {"index": d.index, "text": d.text, "logprobs": lp(d.index, d.logprobs),
+                    "finish_reason": d.finish_reason}
+
+        def whole(out: Choices):
+            return [{"index": i, "text": out.text[i], "logprobs": lp(i, out.logprobs[i]),
+                     "finish_reason": out.finish[i]} for i in range(len(ids))]
+
+        env = Envelope("cmpl", "text_completion", s.name)
+        return await s.reply(job, request, req, env, chunk, whole, sum(map(len, prompts)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await s.parse(request, ChatRequest)
+        prompt = s.chat_ids(req)
+        asked, param = ((req.max_completion_tokens, "max_completion_tokens")
+                        if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+        mt = s.max_tokens(prompt, asked, param, "messages")
+        job = await s.start([prompt] * req.n, [req.params(mt, i, req.wanted_logprobs()) for i in range(req.n)],
+                            request)
+        started = set()
+
+        def lp(entries):
+            return s.names.chat_logprobs(entries) if req.logprobs else None
+
+        def chunk(d):
+            delta = {"content": d.text}
+            if d.index not in started:
+                started.add(d.index)
+                delta["role"] = "assistant"
+            return {"index": d.index, "delta": delta, "logprobs": lp(d.logprobs), "finish_reason": d.finish_reason}
+
+        def whole(out: Choices):
+            return [{"index": i, "message": {"role": "assistant", "content": out.text[i]},
+                     "logprobs": lp(out.logprobs[i]), "finish_reason": out.finish[i]} for i in range(req.n)]
+
+        env = Envelope("chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion", s.name)
+        return await s.reply(job, request, req, env, chunk, whole, len(prompt))
+
+    return app
