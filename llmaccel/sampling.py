@@ -41,8 +41,8 @@ class SamplingParams:
             raise LlmaccelError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.temperature < 0:
             raise LlmaccelError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise LlmaccelError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 1 << 31:  # the sampler holds it in an int64 tensor, kernels in int32
+            raise LlmaccelError(f"top_k must be in 0..{(1 << 31) - 1}, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise LlmaccelError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 0:

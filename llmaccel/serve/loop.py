@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.runtime.detokenize import IncrementalDetokenizer
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 from llmaccel.runtime.sequence import Sequence
 
 log = logging.getLogger("llmaccel.serve")

@@ -7,7 +7,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sampler import MAX_LOGPROBS, SamplingParams
+from llmaccel.sampling import MAX_LOGPROBS, SamplingParams
 from llmaccel.serve.loop import Delta, ServeError
 
 MAX_N = 128
