@@ -12,6 +12,8 @@ llmaccel/quant/algorithms.py. Storage layout: llmaccel/ops/quant.py and docs/qua
 """
 from __future__ import annotations
 
+import contextlib
+
 import operator
 from dataclasses import dataclass
 from typing import Literal
@@ -157,6 +159,20 @@ class _Calibrated(torch.fx.Interpreter):
         return super().run_node(n)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """The searches and GPTQ's column loop are many small ops: one thread is several times
+    faster than two there (thread hand-offs dominate), most of all on a loaded machine; the
+    large products around them (Hessians, the group's outputs over every calibration token)
+    keep all threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class _Quantizer:
     def __init__(self, gm, cfg: QuantConfig, model_cfg, bar):
         self.gm, self.cfg, self.mc, self.bar = gm, cfg, model_cfg, bar
@@ -173,14 +189,7 @@ class _Quantizer:
 
     def process(self, node, x, outputs=None, x_src=None) -> None:
         """Quantize every pending linear reading node's input; put their outputs in `outputs`."""
-        # The searches and GPTQ's column loop are many small ops: one thread is several times
-        # faster than two (thread hand-offs dominate), most of all on a loaded machine.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            self._process(node, x, outputs, x_src)
-        finally:
-            torch.set_num_threads(threads)
+        self._process(node, x, outputs, x_src)
 
     def _process(self, node, x, outputs, x_src) -> None:
         c, xnode = self.cfg, node.args[0]
@@ -202,14 +211,16 @@ class _Quantizer:
         if "awq" in c.method:
             sink = find_sink(xnode, group, self.mc.n_heads, self.mc.n_kv_heads, c.gqa_o)
             if isinstance(sink, tuple) and (sink[0] == "norm" or sink[1] in self.records):
-                s = awq_scale(sub, ws, grid, tie=sink[3] if sink[0] == "rows" else None, duo=c.awq_duo)
+                with _one_thread():
+                    s = awq_scale(sub, ws, grid, tie=sink[3] if sink[0] == "rows" else None, duo=c.awq_duo)
                 ws = [w * s for w in ws]
                 xs, sub = xs / s, sub / s
                 self._fold(sink, s, stem)
             else:
                 self.awq_skipped[stem] = sink if isinstance(sink, str) else "producer not quantized"
             if c.bits == 4 and c.awq_clip:
-                ws = [awq_clip(sub, w, grid) for w in ws]
+                with _one_thread():
+                    ws = [awq_clip(sub, w, grid) for w in ws]
                 # the clip search chose ranges for min/max rounding: keep that rounding
                 grid = self.grid(K, search=False)
         self.pending -= set(group)
@@ -217,7 +228,8 @@ class _Quantizer:
         w_all = torch.cat(ws, 0)
         H = None if xs is None else xs.T @ xs
         if "gptq" in c.method:
-            q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp)
+            with _one_thread():
+                q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp)
         else:
             scale, zero = grid.params(w_all, None if H is None else H.diagonal())
             q = grid.codes(w_all, scale, zero)
