@@ -11,6 +11,7 @@ import torch.fx
 import torch.nn as nn
 
 from llmaccel import ops
+from llmaccel.ops.table import spec_of
 
 
 def set_weight(root: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -27,11 +28,12 @@ def set_weight(root: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """{op name: nodes}: IR ops by their table name, anything else as glue:NAME."""
     c: Counter = Counter()
     for n in gm.graph.nodes:
         if n.op == "call_function":
-            mod = getattr(n.target, "__module__", "") or ""
-            c[n.target.__name__ if mod.startswith("llmaccel.ops") else f"glue:{n.target.__name__}"] += 1
+            spec = spec_of(n.target)
+            c[spec.name if spec is not None else f"glue:{n.target.__name__}"] += 1
         elif n.op == "call_method":
             c[f"glue:.{n.target}"] += 1
     return dict(sorted(c.items()))

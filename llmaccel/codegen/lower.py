@@ -25,14 +25,11 @@ import torch
 import torch.fx
 
 from llmaccel import ops
-from llmaccel.ir import set_weight
+from llmaccel.ir import set_weight, weight_of
 from llmaccel.ops import quant as qops
 from llmaccel.ops.rope import rope_inv_freq
-from llmaccel.ir import weight_of
+from llmaccel.ops.table import OPS, spec_of
 
-# IR ops that never map to a custom op by name: attention takes the attention context (a
-# Python object, not a tensor) and rope is lowered to the table form below.
-_NOT_BY_NAME = {"attention", "rope"}
 @functools.cache
 def load_kernel_modules() -> dict[str, str]:
     """Import every module of llmaccel.kernels once, so their custom ops are registered.
@@ -57,10 +54,8 @@ def load_kernel_modules() -> dict[str, str]:
 
 
 def ir_op_name(node: torch.fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    mod = getattr(node.target, "__module__", "") or ""
-    return node.target.__name__ if mod.startswith("llmaccel.ops") else None
+    spec = spec_of(node.target) if node.op == "call_function" else None
+    return None if spec is None else spec.name
 
 
 @functools.cache
@@ -467,7 +462,9 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             node.kwargs = {"head_dim": node.kwargs["head_dim"]}
             rep.rope += 1
             continue
-        if name in _NOT_BY_NAME or not _wanted(name, select):
+        # ops with a lowering of their own (attention takes a Python context, rope the tables
+        # above) never map to a custom op by name; the others do wherever one is registered
+        if OPS[name].context or not _wanted(name, select):
             continue
         # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
         # they are (their CPU implementation is the reference)

@@ -1,0 +1,102 @@
+"""The op table: every IR op, what it is and where its other forms live.
+
+An IR node is a call_function on one of these references; everything that needs to know about
+ops (op counts, lowering, artifact loading, export, passes that look for a kind of op) asks this
+table instead of matching module paths or names.
+
+    name      the op's name: the reference function's, the custom op's (torch.ops.llmaccel.<name>)
+              when it has a kernel, the key of stats and reports
+    ref       the pure-PyTorch reference: the IR node's target
+    kind      embedding | linear | norm | norm_linear | rope | attention | activation | head
+    made_by   the pass that puts it in a graph (None: capture)
+    kernel    a kernel module of the project registers torch.ops.llmaccel.<name> with the
+              reference's schema (lowering retargets any op without a context to a custom op of
+              its name in the namespace it is given, when one is registered; rope is lowered to
+              tables first, attention ops go through the runtime's contexts)
+    context   takes an attention context as its fourth argument (AttentionContext below)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from llmaccel import ops
+from llmaccel.ops import bitlinear as bl
+from llmaccel.ops import kvquant, quant, repbn, sla, sparse
+
+
+class AttentionContext(Protocol):
+    """What an attention op asks of the context it is given (the reference executor's caches,
+    the runtime's paged contexts, a training step's none): store this layer's k and v and
+    attend over everything the context holds for it. `rope`, when given, is (cos, sin,
+    positions) of a graph whose RoPE was folded into the attention (codegen/rope.py)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, n_heads: int,
+               n_kv_heads: int, head_dim: int, scale: float, **kw) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    ref: Callable
+    kind: str
+    made_by: str | None = None
+    kernel: bool = False
+    context: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.ref.__name__
+
+    @property
+    def qualname(self) -> str:
+        """How an artifact's graph names the op (module and function)."""
+        return f"{self.ref.__module__}.{self.ref.__name__}"
+
+
+_SPECS = [
+    OpSpec(ops.embedding, "embedding"),
+    OpSpec(ops.linear, "linear"),
+    OpSpec(ops.rms_norm, "norm"),
+    OpSpec(ops.layer_norm, "norm"),
+    OpSpec(ops.add_rms_norm, "norm", made_by="fuse"),
+    OpSpec(ops.add_layer_norm, "norm", made_by="fuse"),
+    OpSpec(ops.rope, "rope"),
+    OpSpec(ops.attention, "attention", context=True),
+    OpSpec(ops.silu_mul, "activation"),
+    OpSpec(ops.gelu_mul, "activation"),
+    OpSpec(ops.relu_mul, "activation", made_by="relu"),
+    OpSpec(ops.gelu, "activation"),
+    OpSpec(ops.lm_head, "head"),
+    OpSpec(quant.linear_int8, "linear", made_by="quant", kernel=True),
+    OpSpec(quant.linear_int4, "linear", made_by="quant", kernel=True),
+    OpSpec(kvquant.kv_quant_attention, "attention", made_by="kvquant", context=True),
+    OpSpec(bl.bitlinear, "linear", made_by="bitlinear", kernel=True),
+    OpSpec(bl.rms_norm_bitlinear, "norm_linear", made_by="bitlinear", kernel=True),
+    OpSpec(bl.bitlinear_train, "linear", made_by="bitlinear"),
+    OpSpec(bl.rms_norm_bitlinear_train, "norm_linear", made_by="bitlinear"),
+    OpSpec(repbn.batch_norm, "norm", made_by="repbn"),
+    OpSpec(repbn.norm_affine, "norm", made_by="repbn"),
+    OpSpec(repbn.repbn_blend, "norm", made_by="repbn"),
+    # its kernel (llmaccel::linear_attention) is the whole-sequence form, without a context
+    OpSpec(sla.linear_attention, "attention", made_by="sla", context=True),
+    OpSpec(sparse.sparse_down, "linear", made_by="relu", kernel=True),
+    OpSpec(sparse.relu_glu, "activation", made_by="relu"),
+]
+
+OPS: dict[str, OpSpec] = {s.name: s for s in _SPECS}
+_BY_REF: dict[Callable, OpSpec] = {s.ref: s for s in _SPECS}
+_BY_QUALNAME: dict[str, OpSpec] = {s.qualname: s for s in _SPECS}
+
+
+def spec_of(target) -> OpSpec | None:
+    """The table's entry for a graph target (None: not an IR op, e.g. operator.getitem)."""
+    try:
+        return _BY_REF.get(target)
+    except TypeError:  # an unhashable target is no IR op
+        return None
+
+
+def by_qualname(qualname: str) -> OpSpec | None:
+    return _BY_QUALNAME.get(qualname)
