@@ -100,34 +100,42 @@ def header_end(data: bytes, kind: str) -> int:
     return len(data)
 
 
-def mutate(data: bytes, rng: random.Random, hot: int) -> bytes:
-    """One to four random edits, mostly inside the first `hot` bytes."""
+OPS = ("flip", "byte", "u64", "u32", "truncate", "delete", "insert", "duplicate")
+
+
+def apply_edits(data: bytes, edits) -> bytes:
+    """Edits are (op, position, payload bytes); positions wrap to the current length."""
     b = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        span = hot if rng.random() < 0.9 else len(b)
-        pos = rng.randrange(max(1, min(span, len(b))))
-        op = rng.randrange(7)
-        if op == 0:  # flip a bit
-            if b:
-                b[pos] ^= 1 << rng.randrange(8)
-        elif op == 1:  # a random byte
-            if b:
-                b[pos] = rng.randrange(256)
-        elif op == 2:  # an interesting 64-bit or 32-bit integer
-            v = rng.choice(INTERESTING_U64)
-            fmt = rng.choice(("<Q", "<I"))
-            raw = struct.pack(fmt, v & (2 ** (8 * struct.calcsize(fmt)) - 1))
-            b[pos:pos + len(raw)] = raw
-        elif op == 3:  # truncate
+    for op, pos, payload in edits:
+        pos = pos % max(1, len(b))
+        n = len(payload) or 1
+        if op == "flip" and b:
+            b[pos] ^= 1 << (payload[0] % 8 if payload else 0)
+        elif op == "byte" and b:
+            b[pos] = payload[0] if payload else 0
+        elif op in ("u64", "u32"):
+            v = INTERESTING_U64[payload[0] % len(INTERESTING_U64)] if payload else 0
+            fmt = "<Q" if op == "u64" else "<I"
+            b[pos:pos + struct.calcsize(fmt)] = struct.pack(fmt, v & (2 ** (8 * struct.calcsize(fmt)) - 1))
+        elif op == "truncate":
             del b[pos:]
-        elif op == 4:  # delete a run
-            del b[pos:pos + rng.randint(1, 64)]
-        elif op == 5:  # insert random bytes
-            b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
-        else:  # duplicate a run elsewhere
-            n = rng.randint(1, 64)
-            b[rng.randrange(max(1, len(b))):0] = b[pos:pos + n]
+        elif op == "delete":
+            del b[pos:pos + n * 4]
+        elif op == "insert":
+            b[pos:pos] = payload
+        elif op == "duplicate":
+            b[(pos * 7919) % max(1, len(b)):0] = b[pos:pos + n * 4]
     return bytes(b)
+
+
+def mutate(data: bytes, rng: random.Random, hot: int) -> bytes:
+    """One to four random edits, nine in ten inside the first `hot` bytes."""
+    edits = []
+    for _ in range(rng.randint(1, 4)):
+        span = hot if rng.random() < 0.9 else len(data)
+        edits.append((rng.choice(OPS), rng.randrange(max(1, span)),
+                      bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))))
+    return apply_edits(data, edits)
 
 
 def _json_values(rng: random.Random):
