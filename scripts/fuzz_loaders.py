@@ -180,13 +180,86 @@ def cli_cases(seeds_dir: Path, n: int, seed: int) -> list[dict]:
     return out
 
 
+ATHERIS_KINDS = ("gguf", "safetensors", "manifest")
+
+
+def atheris_corpus(work: Path) -> Path:
+    """Seed inputs: a kind byte, then a small GGUF, safetensors file or manifest."""
+    from safetensors.torch import save_file
+    import torch
+
+    d = work / "corpus"
+    d.mkdir()
+    st = work / "small.safetensors"
+    save_file({"a": torch.ones(4, 3), "b": torch.arange(5)}, str(st))
+    art = F.tiny_artifact(work / "corpus-art")
+    seeds = (F.tiny_gguf(work / "corpus.gguf").read_bytes(), st.read_bytes(),
+             (art / "manifest.json").read_bytes())
+    for i, data in enumerate(seeds):
+        (d / f"seed{i}").write_bytes(bytes([i]) + data)
+    return d
+
+
+def atheris_child(runs: int, corpus: str) -> None:
+    """Coverage-guided fuzzing (libFuzzer through atheris) of the header and manifest checks;
+    an exception other than LlmaccelError, or an input over 5 s, stops it with exit code != 0."""
+    import atheris
+    import numpy  # noqa: F401 - imported before instrumentation: only llmaccel is instrumented
+    import torch  # noqa: F401
+
+    with atheris.instrument_imports(include=["llmaccel"]):
+        from llmaccel.compiler.filecheck import check_bytes
+        from llmaccel.compiler.manifest import check_manifest
+        from llmaccel.compiler.serialize import graph_from_json
+    from llmaccel.errors import LlmaccelError
+
+    def one(data: bytes) -> None:
+        if not data:
+            return
+        kind, body = ATHERIS_KINDS[data[0] % 3], data[1:]
+        try:
+            if kind == "manifest":
+                m = json.loads(body)
+                check_manifest(m, "manifest", 1)
+                graph_from_json(m["graph"])
+            else:
+                check_bytes(body, kind)
+        except (LlmaccelError, ValueError, RecursionError) as e:
+            # json.loads raises ValueError/RecursionError for bad JSON (read_manifest turns them
+            # into LlmaccelError); anything from the checks themselves must be an LlmaccelError
+            if kind != "manifest" and not isinstance(e, LlmaccelError):
+                raise
+            if isinstance(e, LlmaccelError) and "\n" in str(e):
+                raise AssertionError(f"a message of more than one line: {e}") from None
+
+    atheris.Setup([sys.argv[0], f"-runs={runs}", "-max_len=65536", f"-timeout={int(LIMIT_S)}",
+                   "-print_final_stats=1", corpus], one)
+    atheris.Fuzz()
+
+
+def run_atheris(runs: int, work: Path) -> dict:
+    corpus = atheris_corpus(work)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, __file__, "--atheris-child", str(runs), str(corpus)],
+                       capture_output=True, text=True, cwd=ROOT)
+    stats = [ln for ln in r.stderr.splitlines() if ln.startswith(("stat::", "Done"))]
+    return {"runs": runs, "rc": r.returncode, "seconds": round(time.perf_counter() - t0, 1),
+            "stats": stats, "tail": "" if r.returncode == 0 else r.stderr[-2000:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2100, help="mutated files in all, spread over the kinds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cli", type=int, default=0, help="mutated artifacts also run through llmc show")
     ap.add_argument("--json", default=None, help="write the summary here")
+    ap.add_argument("--atheris", type=int, default=0,
+                    help="also run N coverage-guided inputs through atheris (if installed)")
+    ap.add_argument("--atheris-child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.atheris_child:
+        atheris_child(int(a.atheris_child[0]), a.atheris_child[1])
+        return 0
     with tempfile.TemporaryDirectory(prefix="llmc-fuzz-") as work:
         work = Path(work)
         pool = Pool(work, a.seed)
@@ -216,17 +289,19 @@ def main() -> int:
                       f"{time.perf_counter() - t_start:.0f} s", file=sys.stderr)
         pool.close()
         cli = cli_cases(work, a.cli, a.seed) if a.cli else []
+        ath = run_atheris(a.atheris, work) if a.atheris else None
     summary = {"cases": a.cases, "seed": a.seed, "limit_s": LIMIT_S,
                "by_kind": {k: dict(c) for k, c in counts.items()},
                "slowest_s": {k: round(v, 3) for k, v in slowest.items()},
                "failures": failures, "wall_s": round(time.perf_counter() - t_start, 1),
                "cli": {"cases": len(cli), "bad": [c for c in cli if not c["ok"]],
                        "slowest_s": round(max((c["seconds"] for c in cli), default=0), 2),
-                       "rc": dict(Counter(c["rc"] for c in cli))}}
+                       "rc": dict(Counter(c["rc"] for c in cli))},
+               "atheris": ath}
     print(json.dumps(summary, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))
-    return 1 if failures or summary["cli"]["bad"] else 0
+    return 1 if failures or summary["cli"]["bad"] or (ath and ath["rc"]) else 0
 
 
 if __name__ == "__main__":

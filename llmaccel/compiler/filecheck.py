@@ -19,12 +19,20 @@ from llmaccel.errors import LlmaccelError
 
 GGUF_VERSIONS = (2, 3)  # what gguf's reader handles
 GGML_MAX_DIMS = 4
-CHECK_SECONDS = 5.0
+CHECK_SECONDS = 3.0
+# Bounds independent of the file size, far above real models (tens of metadata keys, a few
+# thousand tensors, 262k-token vocabularies, 280k merges, no arrays of arrays), so that
+# the check takes at most about a second whatever the header declares.
+MAX_ITEMS = 1 << 20  # keys, values, array elements, tensor infos
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 18
+MAX_NESTED = 1 << 16  # elements of an array of arrays
 SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit
 # GGUF value types: fixed sizes of the scalar ones; 8 = string, 9 = array.
 _GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _MIN_VALUE = {**{t: struct.calcsize(f) for t, f in _GGUF_SCALAR.items()}, _STRING: 8, _ARRAY: 12}
 _ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
                 "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -44,10 +52,24 @@ class _Cursor:
     def left(self) -> int:
         return self.size - self.pos
 
-    def tick(self) -> None:
-        self._ticks += 1
-        if self._ticks % 4096 == 0 and time.monotonic() > self.deadline:
+    def tick(self, n: int = 1) -> None:
+        before, self._ticks = self._ticks, self._ticks + n
+        if self._ticks > MAX_ITEMS:
+            raise _Bad(f"header declares more than {MAX_ITEMS} metadata items")
+        if before // 4096 != self._ticks // 4096 and time.monotonic() > self.deadline:
             raise _Bad(f"header not read within {CHECK_SECONDS:g} s")
+
+    def skip_strings(self, n: int, what: str) -> None:
+        """n length-prefixed strings (an array of tokens or merges): only their bounds."""
+        self.tick(n)
+        buf, pos, size, u64 = self.buf, self.pos, self.size, _U64.unpack_from
+        for _ in range(n):
+            if pos + 8 > size:
+                raise _Bad(f"{what} runs past the end of the file")
+            pos += 8 + u64(buf, pos)[0]
+        if pos > size:
+            raise _Bad(f"{what} runs past the end of the file")
+        self.pos = pos
 
     def take(self, fmt: str, what: str):
         n = struct.calcsize(fmt)
@@ -89,8 +111,13 @@ def _gguf_value(cur: _Cursor, vtype: int, what: str, depth: int = 0):
     if etype not in _MIN_VALUE:
         raise _Bad(f"{what} has unknown element type {etype}")
     n = cur.count(f"element count of {what}", _MIN_VALUE[etype])
+    if etype == _ARRAY and n > MAX_NESTED:
+        raise _Bad(f"{what} is an array of {n} arrays (at most {MAX_NESTED} read)")
     if etype in _GGUF_SCALAR:  # fixed size: skip without reading each
         cur.pos += n * _MIN_VALUE[etype]
+        return None
+    if etype == _STRING:
+        cur.skip_strings(n, what)
         return None
     for i in range(n):
         _gguf_value(cur, etype, f"{what}[{i}]", depth + 1)
@@ -115,6 +142,9 @@ def _check_gguf(buf, deadline: float) -> dict:
                    f"{', '.join(map(str, GGUF_VERSIONS))}")
     n_tensors = cur.count("tensor count", 8 + 4 + 4 + 8)
     n_kv = cur.count("metadata count", 8 + 4 + 1)
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KEYS:
+        raise _Bad(f"{n_tensors} tensors and {n_kv} metadata keys declared; at most "
+                   f"{MAX_TENSORS} and {MAX_KEYS} are read")
     meta: dict = {}
     for i in range(n_kv):
         key = cur.string(f"metadata key {i}")
@@ -182,12 +212,13 @@ def check_gguf(path) -> dict:
     return _mapped(Path(path), _check_gguf)
 
 
-def check_gguf_bytes(data: bytes) -> dict:
-    """check_gguf on bytes in memory."""
+def check_bytes(data: bytes, kind: str) -> dict:
+    """check_gguf or check_safetensors (kind 'gguf' or 'safetensors') on bytes in memory."""
+    check = _check_gguf if kind == "gguf" else _check_safetensors
     try:
-        return _check_gguf(data, time.monotonic() + CHECK_SECONDS)
+        return check(data, time.monotonic() + CHECK_SECONDS)
     except _Bad as e:
-        raise LlmaccelError(f"GGUF: {e}") from None
+        raise LlmaccelError(f"{kind}: {e}") from None
 
 
 def _check_safetensors(buf, deadline: float) -> dict:

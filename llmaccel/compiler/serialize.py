@@ -100,6 +100,8 @@ def graph_from_json(data: list[dict]) -> torch.fx.Graph:
     """The graph a manifest describes; a malformed description raises one LlmaccelError."""
     try:
         return _graph_from_json(data)
+    except LlmaccelError:
+        raise
     except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, AssertionError,
             RecursionError) as e:  # what torch.fx raises for an inconsistent graph
         raise LlmaccelError(f"artifact graph is damaged: {type(e).__name__}: {e}") from None

@@ -94,9 +94,9 @@ def header_end(data: bytes, kind: str) -> int:
     if kind == "safetensors" and len(data) >= 8:
         return min(len(data), 8 + struct.unpack_from("<Q", data)[0])
     if kind == "gguf":
-        from llmaccel.compiler.filecheck import check_gguf_bytes
+        from llmaccel.compiler.filecheck import check_bytes
 
-        return min(len(data), check_gguf_bytes(data)["data_offset"])
+        return min(len(data), check_bytes(data, "gguf")["data_offset"])
     return len(data)
 
 
