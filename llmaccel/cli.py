@@ -27,13 +27,17 @@ def _resolve_device(a) -> None:
 
 
 def cmd_compile(a) -> None:
+    from llmaccel.compiler.artifact import check_output
     from llmaccel.compiler.pipeline import compile
     from llmaccel.compiler.report import render_markdown
     from llmaccel.passes.base import parse_sets
 
+    check_output(a.output, a.force, "--force")  # before minutes of compiling, not after
+    if a.eval_tokens is not None and a.eval_tokens < 0:
+        raise LlmaccelError(f"--eval-tokens must be >= 0, got {a.eval_tokens}")
     model = compile(a.src, a.passes or "", parse_sets(a.set), calib=a.calib, calib_split=a.calib_split,
                     verify=a.verify, eval_tokens=a.eval_tokens, dtype=a.dtype, device=a.device)
-    model.save(a.output, model.report)
+    model.save(a.output, model.report, force=a.force)
     print(render_markdown(model.report))
     print(f"wrote {a.output}")
 
@@ -45,12 +49,15 @@ def cmd_eval(a) -> None:
 
     if a.ctx < 1:
         raise LlmaccelError(f"--ctx must be positive, got {a.ctx}")
+    if a.max_tokens is not None and a.max_tokens < 2:
+        raise LlmaccelError(f"--max-tokens must be at least 2 (one token and its successor), "
+                            f"got {a.max_tokens}")
     model = load(a.src, dtype=a.dtype, device=a.device)
     baseline = load(a.baseline, dtype=a.dtype, device=a.device) if a.baseline else None
     if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
         raise LlmaccelError(f"baseline vocabulary ({baseline.config.vocab_size}) differs from the "
                             f"model's ({model.config.vocab_size})")
-    ids = load_tokens(baseline or model, a.text, a.split, a.max_tokens, ctx=a.ctx)
+    ids = load_tokens(baseline or model, a.text, a.split, a.max_tokens, ctx=a.ctx, progress=True)
     res = evaluate(model, ids, ctx=a.ctx, baseline=baseline, chunk=a.chunk)
     res["text"] = a.text if a.text == "self" else f"{a.text} ({a.split})"
     line = f"ppl {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows of {a.ctx})"
@@ -71,6 +78,8 @@ def cmd_generate(a) -> None:
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             max_tokens=a.max_new_tokens, seed=a.seed, ignore_eos=a.ignore_eos,
                             stop=a.stop or None)
+    if a.num_speculative_tokens < 1:
+        raise LlmaccelError(f"--num-speculative-tokens must be >= 1, got {a.num_speculative_tokens}")
     model = load(a.src, dtype=a.dtype, device=a.device)
     llm = LLM(model, speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)
     prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
@@ -136,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="compare logits before/after each pass")
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="held-apart tokens for the quality check (default 4096 when a pass is approximate)")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, help="artifact folder (new, empty, or an "
+                                                          "artifact to replace with --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing artifact at -o")
     p.set_defaults(fn=cmd_compile)
 
     p = sub.add_parser("eval", help="perplexity, and KL / top-1 against a baseline")
@@ -168,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a draft model with the same tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--stats", action="store_true", help="print runtime metrics (JSON) to stderr")
-    p.set_defaults(fn=cmd_generate)
+    p.set_defaults(fn=cmd_generate, flags={"max_tokens": "--max-new-tokens", "temperature": "--temperature",
+                                          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                                          "stop": "--stop"})
 
     p = sub.add_parser("show", help="print the IR: op counts and the graph")
     _model_args(p)
@@ -188,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _as_flags(msg: str, flags: dict[str, str]) -> str:
+    """An API message that starts with a field name ('max_tokens must be ...') names the flag
+    the user typed instead ('--max-new-tokens must be ...')."""
+    first, sep, rest = msg.partition(" ")
+    return flags[first] + sep + rest if first in flags else msg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -197,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except LlmaccelError as e:
         if a.debug:
             raise
-        print(f"llmc: error: {e}", file=sys.stderr)
+        print(f"llmc: error: {_as_flags(str(e), getattr(a, 'flags', {}))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("llmc: interrupted", file=sys.stderr)

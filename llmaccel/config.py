@@ -40,6 +40,11 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise LlmaccelError(f"unsupported family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        for k in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                  "intermediate_size", "max_position"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LlmaccelError(f"model config {k} must be a positive integer, got {v!r}")
         if self.n_heads % self.n_kv_heads:
             raise LlmaccelError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 

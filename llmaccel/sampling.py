@@ -39,7 +39,7 @@ class SamplingParams:
         if self.stop is not None and (not isinstance(self.stop, list) or
                                       not all(isinstance(x, str) and x for x in self.stop)):
             raise LlmaccelError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise LlmaccelError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.top_k < 1 << 31:  # the sampler holds it in an int64 tensor, kernels in int32
             raise LlmaccelError(f"top_k must be in 0..{(1 << 31) - 1}, got {self.top_k}")

@@ -87,3 +87,26 @@ def test_compile_show_eval_on_a_preset(capsys, tmp_path):
 def test_passes_lists_options(capsys):
     code, out, _ = run(capsys, "passes")
     assert code == 0 and "fuse.norms: bool = True" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "preset:tiny-llama", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+    (["generate", "preset:tiny-llama", "--prompt", "x", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["generate", "preset:tiny-llama", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["generate", "preset:tiny-llama", "--prompt", "x", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens must be >= 1"),
+    (["eval", "preset:tiny-llama", "--max-tokens", "1"], "--max-tokens must be at least 2"),
+    (["compile", "preset:tiny-llama", "--eval-tokens", "-1", "-o", "{tmp}/o"], "--eval-tokens must be >= 0"),
+    (["bench", "preset:tiny-llama", "--warmup", "-1"], "--warmup must be >= 0"),
+])
+def test_messages_name_the_flag_typed(capsys, tmp_path, argv, match):
+    assert_user_error(capsys, match, *[a.format(tmp=tmp_path) for a in argv])
+
+
+def test_sampling_text_shows_progress(capsys):
+    from llmaccel.compiler.model import load
+    from llmaccel.eval.text import load_tokens
+
+    ids = load_tokens(load("preset:tiny-llama"), "self", "all", 64, ctx=16, progress=True)
+    assert len(ids) == 64
+    assert "sampling text from the model: 100%" in capsys.readouterr().err

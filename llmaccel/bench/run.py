@@ -146,6 +146,8 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     if min(batch, prompt_len, gen_len) < 1:
         raise LlmaccelError(f"--batch, --prompt-len and --gen-len must be positive "
                             f"(got {batch}, {prompt_len}, {gen_len})")
+    if warmup < 0 or spec_k < 1:
+        raise LlmaccelError(f"--warmup must be >= 0 and --spec-k >= 1 (got {warmup}, {spec_k})")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)

@@ -1,7 +1,11 @@
-"""Artifact directory: manifest.json, model.safetensors, tokenizer files, report.md/json."""
+"""Artifact directory: manifest.json, model.safetensors, tokenizer files, report.md/json.
+
+Written whole or not at all (see atomic.py); the manifest records every file's size and
+SHA-256, checked on load."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import time
@@ -10,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from llmaccel.compiler.atomic import atomic_dir
+from llmaccel.compiler.manifest import check_files, check_manifest, file_records
 from llmaccel.compiler.serialize import graph_to_json
-from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 
 FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
                     "added_tokens.json", "generation_config.json")
@@ -30,16 +36,49 @@ def versions() -> dict[str, str]:
     return out
 
 
-def write_artifact(model, path, report: dict | None = None) -> Path:
+def is_artifact(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def check_output(path, force: bool = False, force_flag: str = "force=True") -> None:
+    """Refuse an output path before any work: a file, a non-empty folder that is not an
+    artifact, or an artifact unless `force`; an unwritable place."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise LlmaccelError(f"{path} is an existing file; an artifact is a folder: choose another path")
+    if path.is_dir() and any(path.iterdir()):
+        if not is_artifact(path):
+            raise LlmaccelError(f"{path} is a folder with other files in it, not an llmaccel "
+                                f"artifact: choose an empty or new folder")
+        if not force:
+            raise LlmaccelError(f"{path} holds an artifact already; {force_flag} replaces it")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LlmaccelError(f"cannot write {path}: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LlmaccelError(f"cannot write {path}: {parent} is not writable")
+
+
+def _write_files(model, path: Path, report: dict | None) -> None:
     from safetensors.torch import save_file
 
     from llmaccel.compiler.model import graph_weights
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     # Clone so that views of one storage (splits, tied weights) are saved as separate tensors.
     weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in graph_weights(model.gm).items()}
     save_file(weights, str(path / "model.safetensors"))
+    if model.tokenizer_dir:
+        for name in _TOKENIZER_FILES:
+            f = Path(model.tokenizer_dir) / name
+            if f.exists():
+                shutil.copy(f, path / name)
+    if report is not None:
+        from llmaccel.compiler.report import render_markdown
+
+        (path / "report.json").write_text(json.dumps(report, indent=2))
+        (path / "report.md").write_text(render_markdown(report))
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": model.source,
@@ -48,38 +87,42 @@ def write_artifact(model, path, report: dict | None = None) -> Path:
         "recipe": model.recipe,
         "versions": versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": file_records(path),
         "graph": graph_to_json(model.gm.graph),
     }
-    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if model.tokenizer_dir:
-        for name in _TOKENIZER_FILES:
-            f = Path(model.tokenizer_dir) / name
-            if f.exists() and f.resolve() != (path / name).resolve():
-                shutil.copy(f, path / name)
-    if report is not None:
-        from llmaccel.compiler.report import render_markdown
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
-        (path / "report.json").write_text(json.dumps(report, indent=2))
-        (path / "report.md").write_text(render_markdown(report))
+
+def write_artifact(model, path, report: dict | None = None, *, force: bool = False) -> Path:
+    """Write the artifact folder atomically: a previous artifact at `path` is replaced only
+    with force=True, and only once the new one is complete."""
+    path = Path(path)
+    check_output(path, force)
+    with atomic_dir(path) as tmp:
+        _write_files(model, tmp, report)
     return path
 
 
-def read_artifact(path, *, dtype=torch.float32, device="cpu"):
-    from safetensors.torch import load_file
+def read_manifest(path: Path) -> dict:
+    try:
+        text = (path / MANIFEST).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LlmaccelError(f"cannot read {path}/{MANIFEST}: {e}") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise LlmaccelError(f"{path}/{MANIFEST} is not valid JSON: {e}") from None
 
+
+def read_artifact(path, *, dtype=torch.float32, device="cpu"):
+    from llmaccel.compiler.filecheck import load_safetensors
     from llmaccel.compiler.sources import Source
 
     path = Path(path)
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except json.JSONDecodeError as e:
-        raise LlmaccelError(f"{path}/manifest.json is not valid JSON: {e}") from e
-    fv = manifest.get("format_version")
-    if not isinstance(fv, int) or fv > FORMAT_VERSION:
-        raise LlmaccelError(f"{path} has artifact format {fv}; this llmaccel reads up to "
-                            f"{FORMAT_VERSION}: upgrade llmaccel")
-    weights = load_file(str(path / "model.safetensors"), device=str(device))
+    manifest = read_manifest(path)
+    cfg = check_manifest(manifest, path, FORMAT_VERSION)
+    check_files(path, manifest.get("files", {}))
+    weights = load_safetensors(path / "model.safetensors", device=device)
     weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     tok = str(path) if (path / "tokenizer_config.json").exists() else None
-    return Source(str(path), "artifact", ModelConfig.from_dict(manifest["config"]), weights,
-                  tok, manifest)
+    return Source(str(path), "artifact", cfg, weights, tok, manifest)

@@ -162,14 +162,28 @@ def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
 
 def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and canonical weights from an HF directory of safetensors files."""
-    from safetensors.torch import load_file
+    from llmaccel.compiler.filecheck import load_safetensors
 
     path = Path(path)
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LlmaccelError(f"cannot read {path}/config.json: {e}") from None
+    if not isinstance(hf, dict):
+        raise LlmaccelError(f"{path}/config.json is not a JSON object")
+    try:
+        cfg = config_from_hf(hf)
+    except LlmaccelError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # a field missing or of the wrong type
+        raise LlmaccelError(f"{path}/config.json: missing or bad field ({type(e).__name__}: {e})") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise LlmaccelError(f"{path}: no .safetensors weights (pickled .bin weights are not read)")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
-    return cfg, weights_from_hf(sd, cfg)
+        sd.update(load_safetensors(f))
+    try:
+        return cfg, weights_from_hf(sd, cfg)
+    except (ValueError, IndexError, RuntimeError) as e:  # a layer index that is no number
+        raise LlmaccelError(f"{path}: unexpected tensor names or shapes ({e})") from None

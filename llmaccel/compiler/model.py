@@ -101,10 +101,12 @@ class Model:
     def op_counts(self) -> dict[str, int]:
         return op_counts(self.gm)
 
-    def save(self, path, report: dict | None = None) -> None:
+    def save(self, path, report: dict | None = None, *, force: bool = False) -> None:
+        """Write an artifact folder, whole or not at all; an existing artifact at `path` is
+        replaced only with force=True."""
         from llmaccel.compiler.artifact import write_artifact
 
-        write_artifact(self, path, report)
+        write_artifact(self, path, report, force=force)
 
 
 def load(src: str, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu") -> Model:
@@ -112,7 +114,13 @@ def load(src: str, *, dtype: str | torch.dtype = torch.float32, device: str = "c
     dt = parse_dtype(dtype)
     s = resolve(src, dtype=dt, device=device)
     if s.manifest is not None:
-        gm = build_graph_module(graph_from_json(s.manifest["graph"]), s.weights, f"{s.config.family}_ir")
+        graph = graph_from_json(s.manifest["graph"])
+        missing = [n.target for n in graph.nodes if n.op == "get_attr" and n.target not in s.weights]
+        if missing:
+            raise LlmaccelError(f"{src}: the graph reads {len(missing)} weights that "
+                                f"model.safetensors lacks ({', '.join(missing[:3])}); the artifact "
+                                f"is damaged, recompile it")
+        gm = build_graph_module(graph, s.weights, f"{s.config.family}_ir")
         recipe = s.manifest.get("recipe", [])
     else:
         gm = capture(s.config, s.weights)

@@ -33,9 +33,9 @@ def parse_pass_list(passes) -> list[str]:
     return names
 
 
-def _calib_source(calib: str, split: str, source: Model):
+def _calib_source(calib: str, split: str, source: Model, progress: bool):
     def make(n: int, seq_len: int) -> torch.Tensor:
-        ids = load_tokens(source, calib, split, n * seq_len, ctx=seq_len, seed=0)
+        ids = load_tokens(source, calib, split, n * seq_len, ctx=seq_len, seed=0, progress=progress)
         n_full = len(ids) // seq_len
         if n_full == 0:
             raise LlmaccelError(f"calibration text gives {len(ids)} tokens, fewer than one "
@@ -59,6 +59,8 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
         raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
     if calib != "self" and not Path(calib).is_file():
         raise LlmaccelError(f"no such text file: {calib} (--calib takes a text file or 'self')")
+    if eval_tokens is not None and (not isinstance(eval_tokens, int) or eval_tokens < 0):
+        raise LlmaccelError(f"eval_tokens must be a count >= 0, got {eval_tokens!r}")
     names = parse_pass_list(passes)
     options = options or {}
     for name in options:
@@ -71,7 +73,7 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     # Passes and the quality check compare against the model as it was loaded.
     baseline = load(source, dtype=dtype, device=device) if any(not get_pass(n).exact for n in names) else None
     ctx = PassContext(model.config, device, reporter,
-                      calib_source=_calib_source(calib, calib_split, baseline or model),
+                      calib_source=_calib_source(calib, calib_split, baseline or model, progress),
                       source_model=baseline)
     sample = torch.randint(0, model.config.vocab_size, (2, 16),
                            generator=torch.Generator().manual_seed(0)).to(device)
@@ -110,7 +112,7 @@ def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress)
     from llmaccel.eval.perplexity import evaluate
 
     if calib == "self":
-        ids = load_tokens(baseline, "self", "all", n_tokens, seed=1)  # calibration used seed 0
+        ids = load_tokens(baseline, "self", "all", n_tokens, seed=1, progress=progress)  # calibration: seed 0
         text = "self (seed 1)"
     elif calib_split in _OTHER_HALF:
         split = _OTHER_HALF[calib_split]

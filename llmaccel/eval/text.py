@@ -1,9 +1,11 @@
 """Evaluation and calibration text: a file split by characters, or samples from a model."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from llmaccel.compiler.executor import make_cache
 from llmaccel.errors import LlmaccelError
@@ -35,8 +37,10 @@ def file_tokens(model, path: str, split: str, max_tokens: int | None) -> torch.T
 
 
 @torch.no_grad()
-def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, length) ids: each prompt row (B, P) continued by temperature-1 samples from `model`."""
+def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Generator,
+                     bar=None) -> torch.Tensor:
+    """(B, length) ids: each prompt row (B, P) continued by temperature-1 samples from `model`;
+    `bar` (a tqdm) advances by B per sampled position."""
     B, P = prompts.shape
     cache = make_cache(model.gm, B, length, model.dtype, model.device)
     seqs = prompts.to(model.device)
@@ -45,12 +49,14 @@ def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Gener
         logits = model.logits(tok, cache.length, cache)[:, -1]
         tok = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
         seqs = torch.cat([seqs, tok], dim=1)
+        if bar is not None:
+            bar.update(B)
     return seqs
 
 
 @torch.no_grad()
 def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
-                   batch: int | None = None) -> torch.Tensor:
+                   batch: int | None = None, progress: bool = False) -> torch.Tensor:
     """Seeded samples (temperature 1) from `model`, concatenated to n_tokens ids.
 
     Lets fidelity be measured, and passes be calibrated, with no data file at all. Rows are
@@ -62,17 +68,23 @@ def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
     start = model.config.bos_token_id if model.config.bos_token_id is not None else 0
     out: list[torch.Tensor] = []
     total = 0
-    while total < n_tokens:
-        B = min(batch, -(-(n_tokens - total) // seq_len))
-        seqs = torch.full((B, 1), start, dtype=torch.long, device=model.device)
-        out.extend(continue_samples(model, seqs, seq_len, gen).cpu())
-        total += B * seq_len
+    rows = -(-n_tokens // seq_len)
+    with tqdm(total=rows * (seq_len - 1), desc="sampling text from the model", unit="tok",
+              disable=not progress, file=sys.stderr) as bar:
+        while total < n_tokens:
+            B = min(batch, -(-(n_tokens - total) // seq_len))
+            seqs = torch.full((B, 1), start, dtype=torch.long, device=model.device)
+            out.extend(continue_samples(model, seqs, seq_len, gen, bar).cpu())
+            total += B * seq_len
     return torch.cat(out)[:n_tokens]
 
 
 def load_tokens(model, text: str, split: str, max_tokens: int | None, *, ctx: int = 512,
-                seed: int = 0) -> torch.Tensor:
-    """Token ids for `text` = a file path or 'self' (samples from `model`)."""
+                seed: int = 0, progress: bool = False) -> torch.Tensor:
+    """Token ids for `text` = a file path or 'self' (samples from `model`, with a progress
+    bar on stderr when `progress`)."""
+    if max_tokens is not None and max_tokens < 2:
+        raise LlmaccelError(f"max_tokens must be at least 2 (one token and its successor), got {max_tokens}")
     if text == "self":
-        return sampled_tokens(model, max_tokens or 4 * ctx, seq_len=ctx, seed=seed)
+        return sampled_tokens(model, max_tokens or 4 * ctx, seq_len=ctx, seed=seed, progress=progress)
     return file_tokens(model, text, split, max_tokens)

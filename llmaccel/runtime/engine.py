@@ -64,8 +64,13 @@ class LLM:
         """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py),
         except over a KIVI cache. cuda_graphs: replay them as CUDA graphs (CUDA only);
         compile: Inductor on the decode sub-step first (None: on CUDA)."""
-        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise LlmaccelError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        counts = dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      num_speculative_tokens=num_speculative_tokens,
+                      kv_cache_tokens=1 if kv_cache_tokens is None else kv_cache_tokens)
+        bad = next((k for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1), None)
+        if bad is not None:
+            raise LlmaccelError(f"{bad} must be a positive integer, got {counts[bad]!r}")
         if isinstance(source, Model):
             self.model = source
         else:
