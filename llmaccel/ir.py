@@ -39,6 +39,17 @@ def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     return dict(sorted(c.items()))
 
 
+def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
+    """{layer: (n_kv_heads, head_dim)} of the graph's attention ops (the table's ops that take an
+    attention context; passes may change the heads)."""
+    out = {}
+    for n in gm.graph.nodes:
+        spec = spec_of(n.target) if n.op == "call_function" else None
+        if spec is not None and spec.context:
+            out[int(n.kwargs["layer"])] = (int(n.kwargs["n_kv_heads"]), int(n.kwargs["head_dim"]))
+    return out
+
+
 def is_op(node: torch.fx.Node, *fns) -> bool:
     return node.op == "call_function" and node.target in fns
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from llmaccel import ops
-from llmaccel.codegen.lower import attention_layers
+from llmaccel.ir import attention_layers
 from llmaccel.compiler.model import get_attr
 from llmaccel.errors import LlmaccelError
 

@@ -500,18 +500,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     return new, rep
 
 
-def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
-    """{layer: (n_kv_heads, head_dim)} read from the attention nodes (KIVI-quantized ones too)."""
-    from llmaccel.ops.kvquant import kv_quant_attention
-
-    out = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in (ops.attention, kv_quant_attention):
-            out[n.kwargs["layer"]] = (n.kwargs["n_kv_heads"], n.kwargs["head_dim"])
-    return out
-
-
 __all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "largest_linear",
            "gemv_rewrites",
-           "ROWS_MAX_WEIGHTS", "attention_layers",
+           "ROWS_MAX_WEIGHTS",
            "load_kernel_modules", "accepts"]

@@ -1,7 +1,7 @@
 """IR graph <-> JSON, so that an artifact is rebuilt without pickle and without redoing passes.
 
-Only targets from an allowlist of modules are resolved on load: llmaccel's ops, `operator`,
-`torch` and `torch.nn.functional`.
+Only these targets are resolved on load: the IR ops of the op table (llmaccel/ops/table.py),
+and glue from `operator`, `torch` and `torch.nn.functional` (never their file functions).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.table import by_qualname, spec_of
 
 _ALLOWED = ("operator", "torch", "torch.nn.functional")
 # torch functions that touch files (torch.load unpickles): never a graph target.
@@ -19,9 +20,10 @@ _FILE_IO = ("load", "save", "from_file")
 
 
 def _target_name(fn) -> str:
+    spec = spec_of(fn)
+    if spec is not None:
+        return spec.qualname
     mod = getattr(fn, "__module__", None) or ""
-    if mod.startswith("llmaccel.ops"):
-        return f"{mod}.{fn.__name__}"
     if mod == "_operator" or getattr(operator, fn.__name__, None) is fn:
         return "operator." + fn.__name__
     for m in ("torch.nn.functional", "torch"):
@@ -32,7 +34,12 @@ def _target_name(fn) -> str:
 
 def _resolve(qual: str):
     mod, _, name = qual.rpartition(".")
-    if not (mod in _ALLOWED or mod == "llmaccel.ops" or mod.startswith("llmaccel.ops.")):
+    if mod.split(".")[0] == "llmaccel":
+        spec = by_qualname(qual)
+        if spec is None:
+            raise LlmaccelError(f"artifact graph names an unknown op {qual}; is llmaccel too old?")
+        return spec.ref
+    if mod not in _ALLOWED:
         raise LlmaccelError(f"artifact graph names a target outside the allowed modules: {qual}")
     if name in _FILE_IO:
         raise LlmaccelError(f"artifact graph names a file-reading or -writing target: {qual}")

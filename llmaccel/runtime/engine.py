@@ -9,6 +9,7 @@ import torch
 from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
+from llmaccel.ir import attention_layers
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import MAX_STEPS, DecodeRunner
@@ -17,7 +18,7 @@ from llmaccel.runtime.graph import layerskip_draft, runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
-from llmaccel.runtime.kv_cache import PagedKVCache, attention_layers, build_step
+from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                       sample_mode, sample_rows, token_logprobs)
 from llmaccel.runtime.scheduler import Scheduler
@@ -87,6 +88,8 @@ class LLM:
         self.gm, _ = lower(rt, max_len=self.cfg.max_position, select="all", linear="mm")
         self.gm.selects_rows = getattr(rt, "selects_rows", False)
         layers = attention_layers(self.model.gm)
+        if not layers:
+            raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
         if any(n.op == "call_function" and n.target is linear_attention for n in self.model.gm.graph.nodes):
             raise LlmaccelError("the paged runtime has no recurrent-state cache for linear attention (sla); "

@@ -20,6 +20,7 @@ import torch
 import llmaccel.kernels.kivi  # noqa: F401  (registers torch.ops.llmaccel.kivi_quantize_*)
 import llmaccel.kernels.paged_kivi  # noqa: F401  (registers torch.ops.llmaccel.paged_kivi_decode)
 from llmaccel.errors import LlmaccelError
+from llmaccel.ir import attention_layers
 from llmaccel.ops.attention import attend_heads
 from llmaccel.ops.kvquant import (dequantize_keys, dequantize_values, quantize_keys,
                                   quantize_values)
@@ -34,7 +35,7 @@ def kivi_spec(gm) -> dict | None:
     specs = kv_quant_specs(gm)
     if not specs:
         return None
-    n_attn = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "n_kv_heads" in n.kwargs)
+    n_attn = len(attention_layers(gm))
     keys = {(s["bits"], s["group"], s["residual"]) for s in specs.values()}
     if len(keys) != 1 or len(specs) != n_attn:
         raise LlmaccelError("the paged KIVI cache needs every attention layer quantized with the "

@@ -13,18 +13,6 @@ import torch
 import torch.fx
 
 import llmaccel.kernels.paged_attention  # noqa: F401  (registers torch.ops.llmaccel.paged_*)
-from llmaccel.errors import LlmaccelError
-
-
-def attention_layers(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]]:
-    """layer -> (n_kv_heads, head_dim), read from the graph's attention nodes (passes may change them)."""
-    out = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and "layer" in n.kwargs and "n_kv_heads" in n.kwargs:
-            out[int(n.kwargs["layer"])] = (int(n.kwargs["n_kv_heads"]), int(n.kwargs["head_dim"]))
-    if not out:
-        raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
-    return out
 
 
 class PagedKVCache:
