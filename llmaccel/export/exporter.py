@@ -70,11 +70,11 @@ def shared_weights(gm: torch.fx.GraphModule) -> set[str]:
     return {k for k, v in users.items() if v > 1}
 
 
-def _inputs(b: GraphBuilder, layers: dict[int, dict], fmt: str) -> tuple[Env, dict]:
+def _inputs(b: GraphBuilder, layers: dict[int, dict], with_positions: bool):
     i64 = TensorProto.INT64
     ids = b.add_input("input_ids", i64, ["batch_size", "sequence_length"])
     mask = b.add_input("attention_mask", i64, ["batch_size", "total_sequence_length"])
-    pos = b.add_input("position_ids", i64, ["batch_size", "sequence_length"]) if fmt == "onnx" else None
+    pos = b.add_input("position_ids", i64, ["batch_size", "sequence_length"]) if with_positions else None
     past = {}
     for i, kw in layers.items():
         shape = ["batch_size", kw["n_kv_heads"], "past_sequence_length", kw["head_dim"]]
@@ -89,14 +89,16 @@ def build(model: Model, fmt: str, dtype: torch.dtype, out: Path) -> tuple[onnx.M
     layers = attention_layers(gm)
     data = ExternalData(out)
     b = GraphBuilder(data, dtype)
-    try:
-        ids, mask, pos, past = _inputs(b, layers, fmt)
-        env = Env(b, ids, pos, mask, model.config, fmt, model.config.max_position, past=past,
-                  shared_weights=shared_weights(gm))
-        if fmt == "genai":
-            from llmaccel.export.genai_ops import prepare
+    absorbed, k_of = set(), {}
+    if fmt == "genai":
+        from llmaccel.export.genai_ops import absorbed_ropes, in_features
 
-            prepare(env, gm)
+        absorbed, k_of = absorbed_ropes(gm), in_features(gm)
+    positions = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "positions")
+    try:
+        ids, mask, pos, past = _inputs(b, layers, with_positions=bool(set(positions.users) - absorbed))
+        env = Env(b, ids, pos, mask, model.config, fmt, model.config.max_position, past=past,
+                  shared_weights=shared_weights(gm), absorbed=absorbed, in_features=k_of)
         values: dict[torch.fx.Node, object] = {}
         placeholders = iter((ids, pos, None))
         for n in gm.graph.nodes:
@@ -120,7 +122,8 @@ def build(model: Model, fmt: str, dtype: torch.dtype, out: Path) -> tuple[onnx.M
             b.add_output(f"present.{i}.{kv}", b.onnx_dtype, shape)
     facts = {"layers": {str(i): {k: kw[k] for k in ("n_heads", "n_kv_heads", "head_dim")}
                         for i, kw in layers.items()},
-             "inputs": [v.name for v in b.inputs], "weights_bytes": data.nbytes}
+             "inputs": [v.name for v in b.inputs], "weights_bytes": data.nbytes,
+             "gqa": fmt == "genai" and bool(layers)}
     return b.model(OPSET, "llmaccel"), facts
 
 

@@ -46,6 +46,8 @@ class Env:
     past: dict = field(default_factory=dict)
     presents: dict = field(default_factory=dict)
     shared_weights: set = field(default_factory=set)
+    absorbed: set = field(default_factory=set)      # genai: rope nodes done inside attention
+    in_features: dict = field(default_factory=dict)  # genai: K of each linear_int4 node
 
 
 def float_weight(env: Env, w: Weight, *, transpose: bool = False) -> str:
@@ -192,13 +194,16 @@ def t_rms_norm(env, node, x, w, *, eps):
     return h if w is None else env.b.op("Mul", [float_weight(env, w), h])
 
 
+def ones_last(env, x: str) -> str:
+    """Ones of x's last dimension, for norm ops whose scale input is required."""
+    b = env.b
+    d = b.op("Slice", [b.op("Shape", [x]), b.const([-1], np.int64), b.const([2 ** 62], np.int64)])
+    return b.op("ConstantOfShape", [d], value=onnx.helper.make_tensor("one", b.onnx_dtype, [1], [1]))
+
+
 def t_layer_norm(env, node, x, w, bias, *, eps):
     b = env.b
-    if w is None:  # LayerNormalization needs a scale: ones of the last dimension
-        d = b.op("Slice", [b.op("Shape", [x]), b.const([-1], np.int64), b.const([2 ** 62], np.int64)])
-        scale = b.op("ConstantOfShape", [d], value=onnx.helper.make_tensor("one", b.onnx_dtype, [1], [1]))
-    else:
-        scale = float_weight(env, w)
+    scale = ones_last(env, x) if w is None else float_weight(env, w)  # the op needs a scale
     return b.op("LayerNormalization", [x, scale, opt_float(env, bias)],
                 axis=-1, epsilon=float(eps))
 
