@@ -20,7 +20,7 @@ from llmaccel.compiler.model import load
 from llmaccel.eval.perplexity import evaluate
 from llmaccel.eval.text import file_tokens
 from llmaccel.export.exporter import export
-from llmaccel.export.runtime import OnnxModel
+from llmaccel.export.runtime import OnnxModel, genai_greedy
 from llmaccel.runtime.sampler import SamplingParams
 
 WIKI = Path(__file__).resolve().parents[1] / "data" / "wikitext2" / "wiki.test.raw"
@@ -38,21 +38,6 @@ def logits_diffs(ref, onx, ids: torch.Tensor, split: int) -> dict:
         b = onx.logits(ids[:, t:t + 1], t, c2)
         dec = max(dec, (a - b).abs().max().item())
     return {"prefill_max_abs": pre, "decode_max_abs": dec}
-
-
-def genai_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
-    import onnxruntime_genai as og
-
-    model = og.Model(folder)
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + n)
-    g = og.Generator(model, params)
-    g.append_tokens(prompt)
-    out = []
-    while not g.is_done():
-        g.generate_next_token()
-        out.append(int(g.get_next_tokens()[0]))
-    return out
 
 
 def agreement(a: list[int], b: list[int]) -> dict:

@@ -100,3 +100,20 @@ class OnnxModel(Model):
                 return
             if i + 1 < n:
                 logits = self.logits(torch.tensor([[tok]]), cache.length, cache)[:, -1]
+
+
+def genai_greedy(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy token ids from ONNX Runtime GenAI's own generate loop on a genai folder
+    (it stops at EOS)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
+    gen = og.Generator(model, params)
+    gen.append_tokens(prompt)
+    out = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        out.append(int(gen.get_next_tokens()[0]))
+    return out

@@ -14,7 +14,7 @@ from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.export.exporter import export
-from llmaccel.export.runtime import OnnxModel
+from llmaccel.export.runtime import OnnxModel, genai_greedy
 
 TOL = 5e-5
 
@@ -90,22 +90,14 @@ def test_weights_are_external_data(tmp_path):
 
 
 def test_genai_folder_generates_through_onnxruntime_genai(tmp_path):
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     from llmaccel.runtime.sampler import SamplingParams
 
     m = _model("preset:tiny-llama", "fuse,quant", {"quant": {"method": "rtn"}})
     export(m, tmp_path, fmt="genai")
     prompt = [1, 17, 250, 33, 90]
     want = list(m.generate_ids(prompt, SamplingParams(temperature=0, max_tokens=16)))
-    model = og.Model(str(tmp_path))
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + 16)
-    g = og.Generator(model, params)
-    g.append_tokens(prompt)
-    got = []
-    while not g.is_done():
-        g.generate_next_token()
-        got.append(int(g.get_next_tokens()[0]))
+    got = genai_greedy(str(tmp_path), prompt, 16)
     assert got == want
 
 
