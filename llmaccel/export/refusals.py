@@ -10,9 +10,6 @@ _REASONS = {
     kvquant.kv_quant_attention: "kvquant's KIVI cache is quantized inside our runtime; ONNX Runtime "
                                 "keeps a plain KV cache. Export the graph compiled without kvquant",
     sla.linear_attention: "sla's recurrent linear-attention state has no ONNX Runtime form",
-    bitlinear.bitlinear: "bitlinear's ternary weights with int8 activations have no ONNX Runtime kernel",
-    bitlinear.rms_norm_bitlinear: "bitlinear's ternary weights with int8 activations have no ONNX "
-                                  "Runtime kernel",
     bitlinear.bitlinear_train: "a training form (heal did not finish); export the inference graph",
     bitlinear.rms_norm_bitlinear_train: "a training form (heal did not finish); export the inference graph",
     repbn.repbn_blend: "a training form (heal did not finish); export the inference graph",

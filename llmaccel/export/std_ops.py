@@ -19,7 +19,7 @@ from onnx import TensorProto
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.export.builder import GraphBuilder
-from llmaccel.ops import quant, repbn, sparse
+from llmaccel.ops import bitlinear, quant, repbn, sparse
 from llmaccel.ops.quant import unpack_int4
 from llmaccel.ops.rope import rope_inv_freq
 
@@ -192,6 +192,33 @@ def t_linear_int8(env, node, x, qweight, scales, bias=None):
     return _bias(env, b.op("MatMul", [x, b.op("Transpose", [w], perm=[1, 0])]), bias)
 
 
+def t_bitlinear(env, node, x, w_packed, w_scale, bias=None, *, in_features, out_features):
+    """BitNet b1.58 in standard ops, as the reference computes it in fp32: per-token absmax
+    int8 activation codes (Round is half to even, as torch.round), an exact integer-valued
+    MatMul with the ternary codes, then / inv * scale. Cost: the codes are stored unpacked as
+    int8 (4x the 2-bit packing) and ONNX Runtime folds their Cast into an fp32 weight."""
+    b = env.b
+    h = x if b.onnx_dtype == F32 else b.cast(x, F32)
+    amax = b.op("Max", [b.op("ReduceMax", [b.op("Abs", [h]), b.const([-1], np.int64, "axes")], keepdims=1),
+                        b.const(np.float32(1e-5))])
+    inv = b.op("Div", [b.const(np.float32(127.0)), amax])
+    q = b.op("Clip", [b.op("Round", [b.op("Mul", [h, inv])]), b.const(np.float32(-128)), b.const(np.float32(127))])
+    codes = b.weight(w_packed.name + ".ternary_t", lambda: bitlinear.unpack_ternary(
+        w_packed.tensor, in_features).t().contiguous())
+    acc = b.op("MatMul", [q, b.cast(codes, F32)])
+    y = b.op("Mul", [b.op("Div", [acc, inv]), b.weight(w_scale.name + ".f32", lambda: w_scale.tensor.float())])
+    if bias is not None:
+        y = b.op("Add", [y, b.weight(bias.name + ".f32", lambda: bias.tensor.float())])
+    return b.to_compute(y, F32)
+
+
+def t_rms_norm_bitlinear(env, node, x, norm_weight, w_packed, w_scale, bias=None, *, eps,
+                         in_features, out_features):
+    h = t_rms_norm(env, node, x, norm_weight, eps=eps)
+    return t_bitlinear(env, node, h, w_packed, w_scale, bias, in_features=in_features,
+                       out_features=out_features)
+
+
 # --- norms ----------------------------------------------------------------------------------
 
 def rms_normalize(env, x: str, eps: float) -> str:
@@ -338,6 +365,7 @@ TRANSLATIONS = {
     ops.silu_mul: t_silu_mul, ops.gelu_mul: t_gelu_mul, ops.relu_mul: t_relu_mul, ops.gelu: t_gelu,
     ops.lm_head: t_lm_head, quant.linear_int4: t_linear_int4, quant.linear_int8: t_linear_int8,
     sparse.sparse_down: t_sparse_down, sparse.relu_glu: t_relu_glu,
+    bitlinear.bitlinear: t_bitlinear, bitlinear.rms_norm_bitlinear: t_rms_norm_bitlinear,
     repbn.batch_norm: t_batch_norm, repbn.norm_affine: t_norm_affine,
     operator.add: t_add, torch.clamp: t_clamp, operator.getitem: t_getitem, "split": t_split,
 }

@@ -47,6 +47,7 @@ CASES = [  # (source, passes, options, format, ops the export must contain)
     ("preset:tiny-llama", "quant", {"quant": {"bits": "8", "method": "rtn"}}, "onnx", {"Cast", "Mul"}),
     ("preset:tiny-llama", "fuse,relu", {"relu": {"calib_samples": "2", "calib_seq_len": "32"}}, "onnx",
      {"Relu"}),
+    ("preset:tiny-llama", "bitlinear", None, "onnx", {"Round", "Clip"}),
     ("preset:tiny-llama", "repbn", {"repbn": {"samples": "2", "seq_len": "32"}}, "onnx", {"Max", "Min"}),
     ("preset:tiny-llama", "fuse,quant", {"quant": {"method": "rtn"}}, "genai",
      {"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization"}),
@@ -102,8 +103,7 @@ def test_genai_folder_generates_through_onnxruntime_genai(tmp_path):
 
 
 @pytest.mark.parametrize("passes,opts,op", [
-    ("kvquant", None, "kv_quant_attention"), ("sla", {"sla": {"init": "zeros"}}, "linear_attention"),
-    ("bitlinear", None, "rms_norm_bitlinear")])
+    ("kvquant", None, "kv_quant_attention"), ("sla", {"sla": {"init": "zeros"}}, "linear_attention")])
 def test_ops_without_an_onnx_form_are_refused_by_name(tmp_path, passes, opts, op):
     m = _model("preset:tiny-llama", passes, opts)
     with pytest.raises(LlmaccelError, match=f"'{op}' has no ONNX translation") as e:
