@@ -116,9 +116,8 @@ def cmd_generate(a) -> None:
 
 
 def cmd_export(a) -> None:
-    from llmaccel.export.exporter import export
-
     from llmaccel.compiler.model import load
+    from llmaccel.export.exporter import export
 
     # Read in fp32 on the CPU; the weights are cast to the export dtype as they are written.
     out = export(load(a.src, dtype="float32", device="cpu"), a.output, fmt=a.format, dtype=a.dtype)

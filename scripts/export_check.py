@@ -21,7 +21,7 @@ from llmaccel.eval.perplexity import evaluate
 from llmaccel.eval.text import file_tokens
 from llmaccel.export.exporter import export
 from llmaccel.export.runtime import OnnxModel, genai_greedy
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 WIKI = Path(__file__).resolve().parents[1] / "data" / "wikitext2" / "wiki.test.raw"
 PROMPT = "Once upon a time, in a small village,"

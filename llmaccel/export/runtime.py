@@ -17,7 +17,7 @@ from llmaccel.compiler.model import Model
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.export.exporter import MANIFEST, MODEL_FILE
-from llmaccel.runtime.sampler import SamplingParams, request_seed, sample
+from llmaccel.sampling import SamplingParams, request_seed, sample
 
 
 class OrtCache:

@@ -92,7 +92,7 @@ def test_weights_are_external_data(tmp_path):
 
 def test_genai_folder_generates_through_onnxruntime_genai(tmp_path):
     pytest.importorskip("onnxruntime_genai")
-    from llmaccel.runtime.sampler import SamplingParams
+    from llmaccel.sampling import SamplingParams
 
     m = _model("preset:tiny-llama", "fuse,quant", {"quant": {"method": "rtn"}})
     export(m, tmp_path, fmt="genai")

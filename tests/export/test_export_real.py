@@ -12,7 +12,7 @@ from llmaccel import cli
 from llmaccel.compiler.model import load
 from llmaccel.export.exporter import export
 from llmaccel.export.runtime import OnnxModel
-from llmaccel.runtime.sampler import SamplingParams
+from llmaccel.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 TOL = 1e-4
