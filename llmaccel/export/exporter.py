@@ -18,6 +18,7 @@ from onnx import TensorProto
 
 from llmaccel.compiler.model import Model, get_attr
 from llmaccel.errors import LlmaccelError
+from llmaccel.ir import attention_layers
 from llmaccel.export import refusals
 from llmaccel.export.builder import DATA_FILE, NP_DTYPES, ExternalData, GraphBuilder
 from llmaccel.export.std_ops import TRANSLATIONS, Env, Weight
@@ -54,13 +55,6 @@ def check_translatable(gm: torch.fx.GraphModule, table: dict) -> None:
         raise LlmaccelError(refusals.message(n.target, op_name(n)))
 
 
-def attention_layers(gm: torch.fx.GraphModule) -> dict[int, dict]:
-    """layer -> the attention node's kwargs (heads, head_dim), in layer order."""
-    layers = {n.kwargs["layer"]: dict(n.kwargs) for n in gm.graph.nodes
-              if n.op == "call_function" and "layer" in n.kwargs and "n_kv_heads" in n.kwargs}
-    return dict(sorted(layers.items()))
-
-
 def shared_weights(gm: torch.fx.GraphModule) -> set[str]:
     """Weights read by more than one op (a tied embedding and LM head)."""
     users: dict[str, int] = {}
@@ -70,14 +64,14 @@ def shared_weights(gm: torch.fx.GraphModule) -> set[str]:
     return {k for k, v in users.items() if v > 1}
 
 
-def _inputs(b: GraphBuilder, layers: dict[int, dict], with_positions: bool):
+def _inputs(b: GraphBuilder, layers: dict[int, tuple[int, int]], with_positions: bool):
     i64 = TensorProto.INT64
     ids = b.add_input("input_ids", i64, ["batch_size", "sequence_length"])
     mask = b.add_input("attention_mask", i64, ["batch_size", "total_sequence_length"])
     pos = b.add_input("position_ids", i64, ["batch_size", "sequence_length"]) if with_positions else None
     past = {}
-    for i, kw in layers.items():
-        shape = ["batch_size", kw["n_kv_heads"], "past_sequence_length", kw["head_dim"]]
+    for i, (kvh, hd) in layers.items():
+        shape = ["batch_size", kvh, "past_sequence_length", hd]
         past[i] = tuple(b.add_input(f"past_key_values.{i}.{kv}", b.onnx_dtype, shape) for kv in ("key", "value"))
     return ids, mask, pos, past
 
@@ -86,7 +80,7 @@ def build(model: Model, fmt: str, dtype: torch.dtype, out: Path) -> tuple[onnx.M
     gm = model.gm
     table = translations(fmt)
     check_translatable(gm, table)
-    layers = attention_layers(gm)
+    layers = dict(sorted(attention_layers(gm).items()))  # layer -> (n_kv_heads, head_dim)
     data = ExternalData(out)
     b = GraphBuilder(data, dtype)
     absorbed, k_of = set(), {}
@@ -116,12 +110,11 @@ def build(model: Model, fmt: str, dtype: torch.dtype, out: Path) -> tuple[onnx.M
     finally:
         data.close()
     b.add_output("logits", b.onnx_dtype, ["batch_size", "sequence_length", model.config.vocab_size])
-    for i, kw in layers.items():
-        shape = ["batch_size", kw["n_kv_heads"], "total_sequence_length", kw["head_dim"]]
+    for i, (kvh, hd) in layers.items():
+        shape = ["batch_size", kvh, "total_sequence_length", hd]
         for kv in ("key", "value"):
             b.add_output(f"present.{i}.{kv}", b.onnx_dtype, shape)
-    facts = {"layers": {str(i): {k: kw[k] for k in ("n_heads", "n_kv_heads", "head_dim")}
-                        for i, kw in layers.items()},
+    facts = {"layers": {str(i): {"n_kv_heads": kvh, "head_dim": hd} for i, (kvh, hd) in layers.items()},
              "inputs": [v.name for v in b.inputs], "weights_bytes": data.nbytes,
              "gqa": fmt == "genai" and bool(layers)}
     return b.model(OPSET, "llmaccel"), facts

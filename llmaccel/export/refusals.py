@@ -6,7 +6,7 @@ from llmaccel.ops import bitlinear, kvquant, repbn, sla
 # Ops whose run-time semantics ONNX Runtime cannot express without a silent change: a plain
 # attention in place of KIVI's quantized cache, or a softmax attention in place of SLA's
 # recurrent state, would export a different model than the one compiled.
-_REASONS = {
+REFUSED = {
     kvquant.kv_quant_attention: "kvquant's KIVI cache is quantized inside our runtime; ONNX Runtime "
                                 "keeps a plain KV cache. Export the graph compiled without kvquant",
     sla.linear_attention: "sla's recurrent linear-attention state has no ONNX Runtime form",
@@ -17,6 +17,6 @@ _REASONS = {
 
 
 def message(target, name: str) -> str:
-    reason = _REASONS.get(target)
+    reason = REFUSED.get(target)
     line = f"export: the IR op {name!r} has no ONNX translation"
     return f"{line}: {reason}" if reason else line

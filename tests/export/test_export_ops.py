@@ -112,6 +112,17 @@ def test_ops_without_an_onnx_form_are_refused_by_name(tmp_path, passes, opts, op
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 
+def test_every_op_of_the_table_is_translated_or_refused_with_a_reason():
+    from llmaccel.export.exporter import translations
+    from llmaccel.export.refusals import REFUSED
+    from llmaccel.ops.table import OPS
+
+    for fmt in ("onnx", "genai"):
+        table = translations(fmt)
+        missing = [name for name, spec in OPS.items() if spec.ref not in table and spec.ref not in REFUSED]
+        assert not missing, (fmt, missing)
+
+
 def test_bfloat16_export_is_refused(tmp_path):
     with pytest.raises(LlmaccelError, match="float32 or float16"):
         export(load("preset:tiny-llama"), tmp_path, fmt="onnx", dtype="bfloat16")
