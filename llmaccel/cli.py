@@ -42,8 +42,19 @@ def cmd_compile(a) -> None:
     print(f"wrote {a.output}")
 
 
-def cmd_eval(a) -> None:
+def _load(src: str, a):
+    """A compiled model, or an exported ONNX folder run through onnxruntime."""
     from llmaccel.compiler.model import load
+    from llmaccel.export.exporter import is_export_dir
+
+    if is_export_dir(src):
+        from llmaccel.export.runtime import OnnxModel
+
+        return OnnxModel(src)
+    return load(src, dtype=a.dtype, device=a.device)
+
+
+def cmd_eval(a) -> None:
     from llmaccel.eval.perplexity import evaluate
     from llmaccel.eval.text import load_tokens
 
@@ -52,8 +63,8 @@ def cmd_eval(a) -> None:
     if a.max_tokens is not None and a.max_tokens < 2:
         raise LlmaccelError(f"--max-tokens must be at least 2 (one token and its successor), "
                             f"got {a.max_tokens}")
-    model = load(a.src, dtype=a.dtype, device=a.device)
-    baseline = load(a.baseline, dtype=a.dtype, device=a.device) if a.baseline else None
+    model = _load(a.src, a)
+    baseline = _load(a.baseline, a) if a.baseline else None
     if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
         raise LlmaccelError(f"baseline vocabulary ({baseline.config.vocab_size}) differs from the "
                             f"model's ({model.config.vocab_size})")
@@ -71,7 +82,6 @@ def cmd_eval(a) -> None:
 
 
 def cmd_generate(a) -> None:
-    from llmaccel.compiler.model import load
     from llmaccel.runtime.engine import LLM
     from llmaccel.sampling import SamplingParams
 
@@ -80,8 +90,13 @@ def cmd_generate(a) -> None:
                             stop=a.stop or None)
     if a.num_speculative_tokens < 1:
         raise LlmaccelError(f"--num-speculative-tokens must be >= 1, got {a.num_speculative_tokens}")
-    model = load(a.src, dtype=a.dtype, device=a.device)
-    llm = LLM(model, speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)
+    model = _load(a.src, a)
+    # An exported folder generates through onnxruntime; anything else through the engine.
+    onnx = model.gm is None
+    if onnx and (a.speculative or a.stats):
+        raise LlmaccelError("an exported ONNX folder generates without --speculative and --stats")
+    llm = model if onnx else LLM(model, speculative=a.speculative,
+                                 num_speculative_tokens=a.num_speculative_tokens)
     prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
     t0, first = time.perf_counter(), None
     for piece in llm.stream(prompt, params):
@@ -98,6 +113,15 @@ def cmd_generate(a) -> None:
                  first_text_s=round(first - t0, 4) if first else None)
         print(f"{n} tokens in {wall:.3f} s: {n / wall:.1f} tok/s", file=sys.stderr)
         print(json.dumps(m), file=sys.stderr)
+
+
+def cmd_export(a) -> None:
+    from llmaccel.compiler.model import load
+    from llmaccel.export.exporter import export
+
+    # Read in fp32 on the CPU; the weights are cast to the export dtype as they are written.
+    out = export(load(a.src, dtype="float32", device="cpu"), a.output, fmt=a.format, dtype=a.dtype)
+    print(f"wrote {out} ({a.format}, {a.dtype})")
 
 
 def cmd_show(a) -> None:
@@ -182,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate, flags={"max_tokens": "--max-new-tokens", "temperature": "--temperature",
                                           "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
                                           "stop": "--stop"})
+
+    p = sub.add_parser("export", help="write an ONNX folder for ONNX Runtime (GenAI)")
+    _model_args(p)
+    p.add_argument("--format", default="genai", choices=["genai", "onnx"],
+                   help="genai: contrib ops and genai_config.json; onnx: the standard opset only")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=cmd_export, dtype="float32", device="cpu")
 
     p = sub.add_parser("show", help="print the IR: op counts and the graph")
     _model_args(p)

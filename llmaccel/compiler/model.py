@@ -76,6 +76,14 @@ class Model:
     def logits(self, ids: torch.Tensor, start: int = 0, ctx=None) -> torch.Tensor:
         return executor.forward(self.gm, ids.to(self.device), start, ctx)
 
+    def new_cache(self, batch: int, max_len: int):
+        """The attention context this graph needs (quantized if its attention nodes say so)."""
+        return executor.make_cache(self.gm, batch, max_len, self.dtype, self.device)
+
+    @property
+    def kv_quantized(self) -> bool:
+        return bool(executor.kv_quant_specs(self.gm))
+
     def generate_ids(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         return executor.generate_ids(self.gm, prompt, params, eos_ids=self.config.eos_ids,
                                      max_len=self.config.max_position, dtype=self.dtype,

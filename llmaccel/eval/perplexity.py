@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from llmaccel.compiler.executor import kv_quant_specs, make_cache
 from llmaccel.errors import LlmaccelError
 
 # Prefill chunk for graphs whose KV cache is quantized: small next to the residual window, so
@@ -19,7 +18,7 @@ KV_QUANT_CHUNK = 32
 def resolve_chunk(model, chunk: int | None) -> int | None:
     """None: a whole-window forward, unless the graph quantizes its KV cache (then 32)."""
     if chunk is None:
-        return KV_QUANT_CHUNK if kv_quant_specs(model.gm) else None
+        return KV_QUANT_CHUNK if model.kv_quantized else None
     if chunk < 1:
         raise LlmaccelError(f"--chunk must be positive, got {chunk}")
     return chunk
@@ -29,7 +28,7 @@ def window_logits(model, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
     """Logits (B, T, V) for ids x (B, T): one forward, or chunk by chunk through the model's cache."""
     if chunk is None:
         return model.logits(x)
-    cache = make_cache(model.gm, x.shape[0], x.shape[1], model.dtype, model.device)
+    cache = model.new_cache(x.shape[0], x.shape[1])
     parts = [model.logits(x[:, s: s + chunk], s, cache) for s in range(0, x.shape[1], chunk)]
     return torch.cat(parts, 1)
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from llmaccel.compiler.executor import make_cache
 from llmaccel.errors import LlmaccelError
 
 SPLITS = ("first-half", "second-half", "all")
@@ -42,7 +41,7 @@ def continue_samples(model, prompts: torch.Tensor, length: int, gen: torch.Gener
     """(B, length) ids: each prompt row (B, P) continued by temperature-1 samples from `model`;
     `bar` (a tqdm) advances by B per sampled position."""
     B, P = prompts.shape
-    cache = make_cache(model.gm, B, length, model.dtype, model.device)
+    cache = model.new_cache(B, length)
     seqs = prompts.to(model.device)
     tok = seqs
     for _ in range(length - P):

@@ -1,0 +1,1 @@
+"""ONNX export of IR graphs, and running exported folders through ONNX Runtime."""
