@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: env
-	$(VENV)/bin/llmc compile smollm2-135m --passes fuse --verify -o $(OUT)
+	$(VENV)/bin/llmc compile smollm2-135m --passes fuse --verify --force -o $(OUT)
 	$(VENV)/bin/llmc generate $(OUT) --prompt "The capital of France is" --temperature 0 --max-new-tokens 32
 
 test: env
