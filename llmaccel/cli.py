@@ -153,6 +153,13 @@ def cmd_passes(a) -> None:
             print(f"    runs before: {', '.join(cls.before)}")
         for key, (tp, default) in option_fields(cls.config_cls).items():
             print(f"    {name}.{key}: {describe_type(tp)} = {default}")
+    if a.all:
+        from llmaccel.codegen.lower import LOWERING
+
+        print("\nlowering (after the passes, where the graph runs; --verify checks custom-ops and "
+              "rope-tables):")
+        for name, what in LOWERING.items():
+            print(f"{name:<14} {what}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_show)
 
     p = sub.add_parser("passes", help="list passes and their options")
+    p.add_argument("--all", action="store_true", help="also the lowering rewrites that follow the passes")
     p.set_defaults(fn=cmd_passes)
 
     from llmaccel.bench.cli import add_parser as add_bench

@@ -86,7 +86,9 @@ def test_compile_show_eval_on_a_preset(capsys, tmp_path):
 
 def test_passes_lists_options(capsys):
     code, out, _ = run(capsys, "passes")
-    assert code == 0 and "fuse.norms: bool = True" in out
+    assert code == 0 and "fuse.norms: bool = True" in out and "fuse-rope" not in out
+    code, out, _ = run(capsys, "passes", "--all")
+    assert code == 0 and "fuse-rope" in out and "custom-ops" in out
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -384,6 +384,22 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
     return counts
 
 
+# The rewrites between the IR and what runs, in order (`llmc passes --all` lists them). The first
+# two are what `llmc compile --verify` checks against the graph on the CPU; the others run where
+# their kernels do and are tested against the reference in tests/codegen and tests/runtime.
+LOWERING = {
+    "custom-ops": "IR ops on the kernels' custom ops, torch.ops.llmaccel.<name> (traced aten forms "
+                  "on the CPU); lower(select=...)",
+    "rope-tables": "rope on cos/sin tables of max_position rows, gathered by position; lower()",
+    "gemv": "one row on CUDA: linears as fused Triton GEMVs with the norm prologue and the "
+            "SiLU-mul / residual epilogues; lower(linear='gemv'), the runtime's decode steps",
+    "rows": "linear_rows: small linears as row products a compiled step fuses; lower(linear='rows')",
+    "fuse-rope": "RoPE, the KV write and the decode attention of a layer in one paged kernel; "
+                 "codegen/rope.py, the runtime's decode steps",
+    "runtime-graph": "the LM head only on the rows that are sampled; runtime/graph.py, every step",
+}
+
+
 @dataclass
 class LowerReport:
     custom: dict[str, int] = field(default_factory=dict)   # op -> nodes now on torch.ops.<ns>
@@ -502,5 +518,5 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
 
 __all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "largest_linear",
            "gemv_rewrites",
-           "ROWS_MAX_WEIGHTS",
+           "ROWS_MAX_WEIGHTS", "LOWERING",
            "load_kernel_modules", "accepts"]

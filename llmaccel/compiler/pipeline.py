@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
+from llmaccel.codegen.lower import lower
+from llmaccel.compiler import executor
 from llmaccel.compiler.model import Model, load
-from llmaccel.ir import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import SPLITS, load_tokens
+from llmaccel.ir import op_counts
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 
@@ -98,6 +100,8 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
         model.recipe.append(entry)
         report["passes"].append(entry)
     report["ops_after"] = model.op_counts()
+    if verify:
+        report["lowering"] = _verify_lowering(model, sample)
     if eval_tokens is None:
         eval_tokens = 4096 if baseline is not None else 0
     if eval_tokens:
@@ -105,6 +109,17 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
                                                 calib, calib_split, eval_tokens, progress)
     model.report = report
     return model
+
+
+def _verify_lowering(model: Model, sample: torch.Tensor) -> dict:
+    """The final graph lowered as the runtime lowers it (every op with a kernel or a traced form
+    on its custom op, RoPE on tables) against the graph itself on the same sample: lowering is
+    a rewrite too, checked like the passes."""
+    low, rep = lower(model.gm, max_len=model.config.max_position, select="all", linear="mm")
+    cache = executor.make_cache(low, sample.shape[0], sample.shape[1], model.dtype, model.device)
+    got = executor.forward(low, sample, 0, cache)
+    return dict(_verify(model.logits(sample), got), custom=rep.custom, cpu_traced=rep.cpu_traced,
+                rope=rep.rope)
 
 
 def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress) -> dict:

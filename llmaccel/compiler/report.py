@@ -25,6 +25,11 @@ def render_markdown(r: dict) -> str:
                          f"{stats} | {ver} | {p['seconds']} |")
     else:
         lines.append("No passes: the captured graph as is.")
+    low = r.get("lowering")
+    if low:
+        ops = ", ".join(f"{k}={v}" for k, v in {**low["custom"], **low["cpu_traced"]}.items()) or "none"
+        lines += ["", f"Lowering (kernels: {ops}; rope on tables: {low['rope']}): verify max abs "
+                      f"{_fmt(low['max_abs'])} against the graph."]
     lines += ["", "| op | before | after |", "|---|---|---|"]
     for op in sorted(set(r["ops_before"]) | set(r["ops_after"])):
         lines.append(f"| {op} | {r['ops_before'].get(op, 0)} | {r['ops_after'].get(op, 0)} |")

@@ -80,3 +80,12 @@ def test_bf16_option_runs_close_to_fp32():
     b = load("preset:tiny-llama", dtype="bfloat16").logits(ids)
     assert b.dtype == torch.bfloat16
     assert (a - b.float()).abs().max() < 0.05 * a.abs().max()
+
+
+def test_verify_checks_the_lowered_graph_too():
+    from llmaccel.compiler.pipeline import compile
+    m = compile("preset:tiny-llama", ["fuse", "quant"], {"quant": {"method": "rtn"}}, verify=True,
+                eval_tokens=0, progress=False)
+    low = m.report["lowering"]
+    assert low["custom"].get("linear_int4", 0) + low["cpu_traced"].get("linear_int4", 0) > 0
+    assert low["rope"] > 0 and low["max_abs"] < 1e-4
