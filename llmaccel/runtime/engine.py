@@ -261,7 +261,9 @@ class LLM:
         return [self._output(s) for s in seqs]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it grows (whole characters only)."""
+        """Yield the text of one request as it grows (whole characters only). With stop strings,
+        the last len(longest stop) - 1 characters wait until they cannot begin a stop string,
+        so the stream never shows text that generate would cut."""
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
             raise LlmaccelError("stream takes one prompt (a string or a list of token ids); "
                                 "use generate for several")
@@ -269,6 +271,7 @@ class LLM:
         if seq.error:
             raise LlmaccelError(seq.error)
         shown = 0
+        hold = max(map(len, seq.params.stop or [""]), default=0) - 1
         while True:
             done = seq.finished
             if self.model.tokenizer_dir is not None:
@@ -276,6 +279,8 @@ class LLM:
                 text = seq.detok.text if seq.stop_cut is None else seq.detok.text[: seq.stop_cut]
                 if done:  # the last characters, complete or not, as generate returns them
                     text = self._text(seq)
+                elif hold > 0:
+                    text = text[: len(text) - hold]
                 if len(text) > shown:
                     yield text[shown:]
                     shown = len(text)

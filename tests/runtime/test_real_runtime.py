@@ -62,3 +62,13 @@ def test_cli_generate_speculative(capsys):
     assert cli.main(["generate", "smollm2-135m", "--prompt", "The capital of France is",
                      "--temperature", "0", "--max-new-tokens", "8", "--speculative", "ngram"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_stream_never_shows_text_a_stop_string_cuts(batched):
+    """Stop strings taken from the text, some spanning two decode groups: the streamed pieces
+    join to exactly what generate returns (the stream holds back a possible stop's start)."""
+    llm, _ = batched
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24))[0].text
+    for i in range(len(full) // 2 + 1, len(full) - 6, 4):
+        p = SamplingParams(max_tokens=24, stop=[full[i:i + 6]])
+        assert "".join(llm.stream(PROMPTS[0], p)) == llm.generate(PROMPTS[0], p)[0].text
