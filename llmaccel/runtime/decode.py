@@ -19,8 +19,8 @@ registers; RoPE, the KV write and the attention of a layer in one kernel
 (llmaccel::paged_rope_decode_attention, where `fuse_rope` finds the pattern); at one row on CUDA each linear is a fused GEMV (norm prologue, SiLU-mul / residual
 epilogues, int4 codes read in registers for `quant` graphs), at more rows GEMMs. On CUDA the
 sub-step's forward is compiled by Inductor (the glue between kernels fused) before capture; the
-sampler runs in aten ops inside the same graph (Inductor 2.11 fails to generate a cumsum over a
-dynamic row count). Padding rows
+sampler (its Triton kernel, llmaccel/sampling.py) and the state update run uncompiled inside the
+same graph. Padding rows
 feed token 0 at position 0 over a table of the scratch block, which the block manager never
 hands out; their outputs are discarded.
 
@@ -173,7 +173,7 @@ class DecodeRunner:
 
     def _fn(self, B: int, mode: str, compiled: bool = True):
         """The sub-step: the forward (compiled by Inductor when asked: the glue between kernels
-        fused), then the sampler and the state update in plain aten ops (captured with it)."""
+        fused), then the sampler and the state update, uncompiled (captured with it)."""
         kind = "gemv" if B == 1 and self.gemv else "mm"
         compiled = compiled and self.compile
         fwd = self.fns.get((kind, compiled))

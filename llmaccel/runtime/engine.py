@@ -19,11 +19,11 @@ from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, build_step
-from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
-                                      sample_mode, sample_rows, token_logprobs)
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
+from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
+                               sample_mode, sample_rows, token_logprobs)
 
 # speculative="self" picks this draft derived from the target (docs/runtime.md: measured
 # acceptance x cost). "self:int8" / "self:int4": the target's weights quantized by the `quant`
@@ -261,9 +261,8 @@ class LLM:
         return [self._output(s) for s in seqs]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it grows (whole characters only). With stop strings,
-        the last len(longest stop) - 1 characters wait until they cannot begin a stop string,
-        so the stream never shows text that generate would cut."""
+        """Yield the text of one request as it grows (visible_text: whole characters only, and
+        never text that a stop string would cut)."""
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
             raise LlmaccelError("stream takes one prompt (a string or a list of token ids); "
                                 "use generate for several")
@@ -271,22 +270,29 @@ class LLM:
         if seq.error:
             raise LlmaccelError(seq.error)
         shown = 0
-        hold = max(map(len, seq.params.stop or [""]), default=0) - 1
         while True:
             done = seq.finished
-            if self.model.tokenizer_dir is not None:
-                self._detok(seq).update(seq.output_ids)
-                text = seq.detok.text if seq.stop_cut is None else seq.detok.text[: seq.stop_cut]
-                if done:  # the last characters, complete or not, as generate returns them
-                    text = self._text(seq)
-                elif hold > 0:
-                    text = text[: len(text) - hold]
-                if len(text) > shown:
-                    yield text[shown:]
-                    shown = len(text)
+            text = self.visible_text(seq)
+            if len(text) > shown:
+                yield text[shown:]
+                shown = len(text)
             if done:
                 return
             self.step()
+
+    def visible_text(self, seq: Sequence) -> str:
+        """The request's text that may be shown now ("" without a tokenizer): once finished,
+        all of it as generate returns it; before, its whole characters so far less the last
+        len(longest stop) - 1, which could still begin a stop string."""
+        if self.model.tokenizer_dir is None:
+            return ""
+        if seq.finished:
+            return self._text(seq)
+        self._detok(seq).update(seq.output_ids)
+        text = seq.detok.text
+        if seq.params.stop:
+            text = text[: max(0, len(text) - max(map(len, seq.params.stop)) + 1)]
+        return text
 
     def _detok(self, seq: Sequence) -> IncrementalDetokenizer:
         if seq.detok is None:

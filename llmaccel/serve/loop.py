@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.detokenize import IncrementalDetokenizer
 from llmaccel.sampling import SamplingParams
 from llmaccel.runtime.sequence import Sequence
 
@@ -271,15 +270,7 @@ class EngineLoop:
         c.sent_lps += len(lps)
         text = ""
         if self.has_text:
-            if seq.finished:
-                full = self.llm.output(seq).text
-            else:
-                if seq.detok is None:  # the engine makes it itself when a stop string needs it
-                    seq.detok = IncrementalDetokenizer(self.llm.model.tokenizer)
-                seq.detok.update(seq.output_ids)
-                full = seq.detok.text
-                if seq.params.stop:  # a stop string may begin in the last characters: wait
-                    full = full[: max(0, len(full) - max(map(len, seq.params.stop)) + 1)]
+            full = self.llm.visible_text(seq)
             text = full[c.sent_text:]
             c.sent_text = max(c.sent_text, len(full))
         return Delta(c.index, ids, text, lps, seq.finish_reason if seq.finished else None)
