@@ -26,7 +26,7 @@ class _Sampling(_Base):
     model: str
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # -1 or 0: off (vLLM spells it -1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM spells it -1); SamplingParams bounds it
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
