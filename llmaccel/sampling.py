@@ -160,8 +160,8 @@ def kernel_check(device) -> str | None:
     """Why the sampling kernel does not serve this CUDA device (None: it does). Checked once
     per device, against the reference on a small batch; LLM checks at start-up, outside any
     CUDA graph capture. Where it fails, CUDA rows are drawn by sample_sorted."""
-    device = torch.device(device)
-    return _check(device.index if device.index is not None else torch.cuda.current_device())
+    from llmaccel.kernels import device_index
+    return _check(device_index(torch.device(device)))
 
 
 @functools.cache

@@ -238,8 +238,8 @@ def main() -> None:
                                                                 config=cfg))
 
             dev = torch.cuda.get_device_name(x.device)
-            d4 = ql.int4_config(M, N, K, gs, ql._n_sm(x.device), asm=ql._asm_works(x.device.index or 0), device=dev)
-            d8 = ql.int8_config(M, N, K, ql._n_sm(x.device), dev)
+            d4 = ql.int4_config(M, N, K, gs, ql.sm_count(x.device), asm=ql._asm_works(ql.device_index(x.device)), device=dev)
+            d8 = ql.int8_config(M, N, K, ql.sm_count(x.device), dev)
             err4 = rel_err(ql.linear_int4_triton(x, W["qw"], W["sc"], W["zr"], group_size=gs), exp4)
             err8 = rel_err(ql.linear_int8_triton(x, W["q8"], W["s8"]), exp8)
             t_bf16 = time_graph(lambda i: (lambda: F.linear(x, c_bf16[i]["w"])), len(c_bf16))

@@ -17,6 +17,11 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one): the key of per-device caches."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -32,7 +37,7 @@ def sm_count(device: torch.device) -> int:
     INTERPRETER_SMS for any other device."""
     if device.type != "cuda":
         return INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(device_index(device))
 
 
 @functools.cache
@@ -44,7 +49,7 @@ def device_name(device: torch.device) -> str | None:
     """The CUDA device's name (the key of measured tuning tables); None for other devices."""
     if device.type != "cuda":
         return None
-    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_name(device_index(device))
 
 
 def registered(name: str) -> bool:
@@ -72,4 +77,4 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     sm90+ and a compiled (not interpreted) Triton with grid dependency control."""
     if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _gdc_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return _gdc_capable(device_index(x.device))

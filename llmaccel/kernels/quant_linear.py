@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from llmaccel.kernels import cdiv, device_name, registered, sm_count
+from llmaccel.kernels import cdiv, device_index, device_name, registered, sm_count
 from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
     GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config)
 from llmaccel.ops import quant as ref
@@ -415,8 +415,17 @@ if triton is not None:
 
 # --- launch configuration: tables and heuristics in quant_linear_configs.py ------------------------
 
-def _n_sm(device) -> int:
-    return sm_count(device)
+def _probe_matches(dev: torch.device, dtype: torch.dtype, cfg: dict) -> bool:
+    """One small linear_int4 launch with `cfg` against the reference: 2 rows, 64 outputs, 2 groups
+    of 128 in the stored layout (packed codes, scales, packed zero points); 2e-2 of the scale."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 256, generator=g).to(dev, dtype)
+    qw = ref.pack_int4(torch.randint(0, 16, (64, 2, 128), generator=g)).to(dev)
+    sc = (torch.rand(64, 2, generator=g) * 0.01 + 0.001).to(dev, dtype)
+    zr = ref.pack_zeros(torch.randint(0, 16, (64, 2), generator=g)).to(dev)
+    out = _linear_int4_launch(x, x, 2, 64, 256, 2, qw, sc, zr, None, 128, cfg)
+    want = ref.linear_int4(x.float(), qw, sc.float(), zr, group_size=128)
+    return bool(torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
 
 
 @functools.cache
@@ -424,17 +433,9 @@ def _asm_works(index: int) -> bool:
     """Whether this device's Triton and driver take the PTX-dequantizing int4 kernel: one small
     launch checked against the reference, once per device; where not, a warning and the
     pure-Triton kernels."""
-    dev = torch.device("cuda", index)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 256, generator=g).to(dev, torch.bfloat16)
-    qw = torch.randint(0, 256, (64, 2, 64), generator=g, dtype=torch.uint8).to(dev)
-    sc = (torch.rand(64, 2, generator=g) * 0.01).to(dev, torch.bfloat16)
-    zr = torch.full((64, 2), 8.0).to(dev, torch.bfloat16)
     cfg = dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=64, BLOCK_G=1, SPLIT_K=1, num_warps=2, num_stages=3)
     try:
-        out = _linear_int4_launch(x, x, 2, 64, 256, 2, qw, sc, zr, None, 128, cfg)
-        want = ref.linear_int4(x.float(), qw, sc.float(), zr.float(), group_size=128)
-        ok = bool(torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+        ok = _probe_matches(torch.device("cuda", index), torch.bfloat16, cfg)
         why = "" if ok else "its output differs from the reference"
     except Exception as e:  # noqa: BLE001 - PTX this Triton or driver refuses
         ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -484,10 +485,9 @@ def linear_int4_triton(x, qweight, scales, zeros, bias=None, *, group_size: int,
     M = x2.shape[0]
     if M == 0:
         return ref.linear_int4(x, qweight, scales, zeros, bias, group_size=group_size)
-    asm = x.dtype == torch.bfloat16 and x.is_cuda and _asm_works(x.device.index if x.device.index
-                                                                 is not None else torch.cuda.current_device())
+    asm = x.dtype == torch.bfloat16 and x.is_cuda and _asm_works(device_index(x.device))
     cfg = dict(config) if config is not None else \
-        int4_config(M, N, K, group_size, _n_sm(x.device), asm=asm, device=device_name(x.device))
+        int4_config(M, N, K, group_size, sm_count(x.device), asm=asm, device=device_name(x.device))
     return _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_size, cfg)
 
 
@@ -562,11 +562,11 @@ def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):
     M = x2.shape[0]
     if M == 0:
         return ref.linear_int8(x, qweight, scales, bias)
-    cfg = dict(config) if config is not None else int8_config(M, N, K, _n_sm(x.device),
+    cfg = dict(config) if config is not None else int8_config(M, N, K, sm_count(x.device),
                                                               device_name(x.device))
     kernel = cfg.pop("kernel", "gemv")
     if kernel == "gemv" and (M > GEMV_MAX_M or K % 4):
-        kernel, cfg = "dot", {k: v for k, v in int8_config(max(M, GEMV_MAX_M + 1), N, K, _n_sm(x.device)).items()
+        kernel, cfg = "dot", {k: v for k, v in int8_config(max(M, GEMV_MAX_M + 1), N, K, sm_count(x.device)).items()
                               if k != "kernel"}
     split = cfg.pop("SPLIT_K", 1) if kernel == "gemv" else 1
     scales = scales.contiguous()

@@ -303,3 +303,15 @@ def test_cpu_lowering_prepares_int4_weights_once():
     pos = torch.arange(9).expand(2, 9)
     ref_out = m.gm(ids, pos, None)
     torch.testing.assert_close(low(ids, pos, None), ref_out, rtol=1e-4, atol=1e-4 * ref_out.abs().max().item())
+
+
+def test_the_dotasm_probe_builds_a_valid_case(ql):
+    """The start-up check of the PTX kernel (_asm_works) runs this case; with a pure-Triton tile
+    under the interpreter it must match the reference, so only the PTX kernel can fail it."""
+    cfg = dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_G=2, SPLIT_K=1, num_warps=4)
+    assert ql._probe_matches(torch.device("cpu"), torch.float32, cfg)
+
+
+@pytest.mark.cuda
+def test_the_dotasm_kernel_serves_this_gpu():
+    assert ql_mod._asm_works(torch.cuda.current_device())
