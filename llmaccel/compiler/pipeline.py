@@ -82,10 +82,10 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     report = {"source": source, "dtype": str(model.dtype).removeprefix("torch."),
               "calib": calib, "calib_split": calib_split, "ops_before": model.op_counts(),
               "passes": []}
+    logits = model.logits(sample) if verify else None  # of the graph as it stands
     for i, (name, cfg) in enumerate(zip(names, configs)):
         cls = get_pass(name)
         ctx.later = tuple(names[i + 1:])
-        before = model.logits(sample) if verify else None
         reporter.log(f"pass {name} ...")
         t0 = time.perf_counter()
         res = cls(cfg).run(model.gm, ctx)
@@ -96,12 +96,13 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
                  "changed": res.changed, "stats": res.stats,
                  "seconds": round(time.perf_counter() - t0, 3)}
         if verify:
-            entry["verify"] = _verify(before, model.logits(sample))
+            before, logits = logits, model.logits(sample)
+            entry["verify"] = _verify(before, logits)
         model.recipe.append(entry)
         report["passes"].append(entry)
     report["ops_after"] = model.op_counts()
     if verify:
-        report["lowering"] = _verify_lowering(model, sample)
+        report["lowering"] = _verify_lowering(model, sample, logits)
     if eval_tokens is None:
         eval_tokens = 4096 if baseline is not None else 0
     if eval_tokens:
@@ -111,14 +112,14 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     return model
 
 
-def _verify_lowering(model: Model, sample: torch.Tensor) -> dict:
+def _verify_lowering(model: Model, sample: torch.Tensor, logits: torch.Tensor) -> dict:
     """The final graph lowered as the runtime lowers it (every op with a kernel or a traced form
     on its custom op, RoPE on tables) against the graph itself on the same sample: lowering is
     a rewrite too, checked like the passes."""
     low, rep = lower(model.gm, max_len=model.config.max_position, select="all", linear="mm")
     cache = executor.make_cache(low, sample.shape[0], sample.shape[1], model.dtype, model.device)
     got = executor.forward(low, sample, 0, cache)
-    return dict(_verify(model.logits(sample), got), custom=rep.custom, cpu_traced=rep.cpu_traced,
+    return dict(_verify(logits, got), custom=rep.custom, cpu_traced=rep.cpu_traced,
                 rope=rep.rope)
 
 
