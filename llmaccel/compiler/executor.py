@@ -42,22 +42,23 @@ def forward(gm: torch.fx.GraphModule, ids: torch.Tensor, start: int = 0, ctx=Non
 
 
 @torch.no_grad()
-def generate_ids(gm: torch.fx.GraphModule, prompt: list[int], params: SamplingParams, *,
-                 eos_ids: set[int], max_len: int, dtype: torch.dtype, device="cpu") -> Iterator[int]:
-    """Yield generated token ids one by one: one prefill, then one decode step per token."""
+def generate_ids(model, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    """Yield generated token ids one by one: one prefill, then one decode step per token.
+
+    model: anything with `config` (eos_ids, max_position), `new_cache(batch, max_len)` and
+    `logits(ids, start, cache)`: a Model (this executor) or an exported folder (onnxruntime)."""
     if not prompt:
         raise ValueError("the prompt is empty")
-    n = min(params.max_tokens, max_len - len(prompt))
+    n = min(params.max_tokens, model.config.max_position - len(prompt))
     if n <= 0:
         return
-    cache = make_cache(gm, 1, len(prompt) + n, dtype, device)
+    cache = model.new_cache(1, len(prompt) + n)
     seed = request_seed(params)
-    ids = torch.tensor([prompt], device=device)
-    logits = forward(gm, ids, 0, cache)[:, -1]
+    logits = model.logits(torch.tensor([prompt]), 0, cache)[:, -1]
     for i in range(n):
         tok = int(sample(logits, params, seed, len(prompt) + i)[0])
         yield tok
-        if tok in eos_ids and not params.ignore_eos:
+        if tok in model.config.eos_ids and not params.ignore_eos:
             return
         if i + 1 < n:
-            logits = forward(gm, torch.tensor([[tok]], device=device), cache.length, cache)[:, -1]
+            logits = model.logits(torch.tensor([[tok]]), cache.length, cache)[:, -1]

@@ -85,9 +85,7 @@ class Model:
         return bool(executor.kv_quant_specs(self.gm))
 
     def generate_ids(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        return executor.generate_ids(self.gm, prompt, params, eos_ids=self.config.eos_ids,
-                                     max_len=self.config.max_position, dtype=self.dtype,
-                                     device=self.device)
+        return executor.generate_ids(self, prompt, params)
 
     def stream(self, prompt: str | list[int], params: SamplingParams, *, chat: bool = False) -> Iterator[str]:
         """Yield text pieces as tokens are generated (decoded incrementally, whole characters only)."""

@@ -13,11 +13,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from llmaccel.compiler import executor
 from llmaccel.compiler.model import Model
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.export.exporter import MANIFEST, MODEL_FILE
-from llmaccel.sampling import SamplingParams, request_seed, sample
+from llmaccel.sampling import SamplingParams
 
 
 class OrtCache:
@@ -86,20 +87,11 @@ class OnnxModel(Model):
         return torch.from_numpy(np.ascontiguousarray(outs[0]))
 
     def generate_ids(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        """One prefill, then one decode step per token, sampled as the reference executor does."""
+        """One prefill, then one decode step per token, sampled as the reference executor does
+        (its loop, on this session)."""
         if not prompt:
             raise LlmaccelError("the prompt is empty")
-        n = min(params.max_tokens, self.config.max_position - len(prompt))
-        cache = self.new_cache(1, len(prompt) + max(n, 0))
-        seed = request_seed(params)
-        logits = self.logits(torch.tensor([prompt]), 0, cache)[:, -1]
-        for i in range(n):
-            tok = int(sample(logits.float(), params, seed, len(prompt) + i)[0])
-            yield tok
-            if tok in self.config.eos_ids and not params.ignore_eos:
-                return
-            if i + 1 < n:
-                logits = self.logits(torch.tensor([[tok]]), cache.length, cache)[:, -1]
+        return executor.generate_ids(self, prompt, params)
 
 
 def genai_greedy(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
