@@ -136,9 +136,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         raise ValueError(f"mode must be greedy, sample or filter, got {mode!r}")
     if mode == "sample":  # one round: no filter can reject the draw
         top_k, top_p = torch.zeros_like(top_k), torch.ones_like(top_p)
-    u = round_uniforms(seeds, positions, 1 if mode == "sample" else ROUNDS)
-    if kern is not None:
-        return kern.sample_triton(logits, temperature, top_k, top_p, u)
+    rounds = 1 if mode == "sample" else ROUNDS
+    if kern is not None:  # the kernel hashes the uniforms itself: no tensor ops before it
+        return kern.sample_triton(logits, temperature, top_k, top_p, seeds, positions, rounds)
+    u = round_uniforms(seeds, positions, rounds)
     if logits.is_cuda:
         return sample_sorted(logits, temperature, top_k, top_p, u, mode)
     return sample_reference(logits, temperature, top_k, top_p, u)
@@ -173,9 +174,10 @@ def _check(index: int) -> str | None:
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 3000, generator=g) * 3).to(dev)
     args = [torch.tensor(v, device=dev) for v in ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5])]
-    u = round_uniforms(torch.arange(4, device=dev) + 7, torch.arange(4, device=dev), ROUNDS)
+    seeds, pos = torch.arange(4, device=dev) + (7 << 33), torch.arange(4, device=dev)
+    u = round_uniforms(seeds, pos, ROUNDS)
     try:
-        same = (torch.equal(kern.sample_triton(x, *args, u), sample_reference(x, *args, u))
+        same = (torch.equal(kern.sample_triton(x, *args, seeds, pos, ROUNDS), sample_reference(x, *args, u))
                 and torch.equal(kern.argmax_triton(x), x.argmax(-1)))
     except Exception as e:  # noqa: BLE001 - any compile or launch failure: the torch path serves
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]

@@ -10,7 +10,7 @@
 3. a few requests in fp32 against the reference executor's own greedy decode, token for token.
 
 Prints a short table last; writes JSON to $OUT/gpu_runtime_check.json when OUT is set.
-    python scripts/gpu_runtime_check.py [--requests 256] [--max-batched 2048]
+    python scripts/gpu_runtime_check.py [--requests 256] [--max-batched N]
 """
 from __future__ import annotations
 
@@ -100,11 +100,12 @@ def kernel_checks() -> list[dict]:
     return out
 
 
-def load_test(n_req: int, max_batched: int, graphs: bool = True, runs: int = 1) -> list[dict]:
+def load_test(n_req: int, max_batched: int | None, graphs: bool = True, runs: int = 1) -> list[dict]:
     """The same load `runs` times on one engine (with CUDA graphs the first run also captures
     the decode graphs its batch and width buckets need); the teacher-forced check on the last."""
+    budget = {} if max_batched is None else dict(max_num_batched_tokens=max_batched)
     llm = LLM("preset:llama-1b", dtype="bfloat16", device="cuda", max_num_seqs=256,
-              max_num_batched_tokens=max_batched, gpu_memory_utilization=0.6, cuda_graphs=graphs,
+              gpu_memory_utilization=0.6, cuda_graphs=graphs, **budget,
               enable_prefix_caching=False)  # every run the same work (the same prompts)
     out = [_load_run(llm, n_req, check=i == runs - 1) for i in range(runs)]
     for r in out:
@@ -209,7 +210,8 @@ def fp32_exact(n: int = 6) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--max-batched", type=int, default=2048)
+    ap.add_argument("--max-batched", type=int, default=None,
+                    help="tokens per engine step (default: LLM's max_num_batched_tokens)")
     ap.add_argument("--graphs", choices=("on", "off", "both"), default="both",
                     help="the load with and / or without CUDA graphs of the decode steps")
     ap.add_argument("--load-only", action="store_true", help="skip the kernel and fp32 checks")

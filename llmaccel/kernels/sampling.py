@@ -19,7 +19,8 @@ ulps of a token's boundary):
    (which is always in the nucleus).
 
 A sort of a (64, 128k) logits block costs ~1.4 ms on an H200; these passes read each row from
-L2 two or three times.
+L2 two or three times (top-k adds 30 counting passes). The uniforms are hashed in the kernel
+(round_uniforms' hash, in int64 arithmetic) so a sampled step launches nothing before it.
 """
 from __future__ import annotations
 
@@ -33,12 +34,35 @@ except ImportError:  # pragma: no cover - only where triton is absent
     tl = None
 
 HAS_TRITON = triton is not None
-BLOCK = 2048
+
+
+def config(V: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): one program walks a whole row, so each pass over it is V / BLOCK
+    dependent loads; wide blocks keep a batch-1 step's passes short. H200, 128k bf16 logits,
+    1 row, argmax / top-p 0.95 draw: 2048 x 8 warps 49 / 170 us (profiled in the engine);
+    16384 x 16 warps 20 / 63 us, the best of seven shapes at 1, 64 and 256 rows
+    (docs/results/h200-2026-12-01-sampler.json)."""
+    if V <= 4096:
+        return triton.next_power_of_2(V), 4
+    return min(16384, triton.next_power_of_2(V)), 16
 
 
 if HAS_TRITON:
     @triton.jit
-    def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, u_ptr, out_ptr, V, sx, R,
+    def _mix32(x):  # llmaccel.sampling._mix32, on int64 values in [0, 2^32)
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _uniform(h0, r):  # llmaccel.sampling.round_uniforms' round r, from the row's hash h0
+        h = h0
+        if r > 0:
+            h = _mix32(h0 ^ ((r.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF))
+        return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+    @triton.jit
+    def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, out_ptr, V, sx, R,
                        BLOCK: tl.constexpr, GREEDY: tl.constexpr):
         row = tl.program_id(0)
         base = x_ptr + row.to(tl.int64) * sx
@@ -91,12 +115,16 @@ if HAS_TRITON:
                     x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
                     e = tl.exp(x - m)
                     zk += tl.sum(tl.where(msk & (e.to(tl.int32, bitcast=True) >= thr), e, 0.0), 0)
+            seed = tl.load(seed_ptr + row)
+            h0 = _mix32(seed & 0xFFFFFFFF)
+            h0 = _mix32(h0 ^ ((seed >> 32) & 0xFFFFFFFF))
+            h0 = _mix32(h0 ^ (tl.load(pos_ptr + row) & 0xFFFFFFFF))
             low = tl.full([], -1.0, tl.float32)
             mass = zk
             r = tl.full([], 0, tl.int32)
             done = tl.full([], 0, tl.int32)
             while (r < R) & (done == 0):
-                target = tl.load(u_ptr + row * R + r) * mass
+                target = _uniform(h0, r) * mass
                 c = tl.full([], 0.0, tl.float32)
                 j = tl.full([], -1, tl.int32)
                 ej = tl.full([], 0.0, tl.float32)
@@ -140,27 +168,33 @@ if HAS_TRITON:
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  rounds: int, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Tokens (B,) int64 for logits (B, V) (any float dtype, unit stride in V); temperature,
-    top_p float32 (B,), top_k int64 (B,), u float32 (B, R): the uniforms of the R rounds."""
+    top_p float32 (B,), top_k, seeds, positions int64 (B,); the uniforms of the rounds are
+    llmaccel.sampling.round_uniforms(seeds, positions, rounds), hashed in the kernel."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    cb, cw = config(V)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature.float().contiguous(), top_k.contiguous(),
-                         top_p.float().contiguous(), u.float().contiguous(), out, V,
-                         logits.stride(0), u.shape[1], BLOCK=BLOCK, GREEDY=False, num_warps=8)
+                         top_p.float().contiguous(), seeds.contiguous(), positions.contiguous(), out,
+                         V, logits.stride(0), rounds, BLOCK=block or cb, GREEDY=False,
+                         num_warps=num_warps or cw)
     return out
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
+def argmax_triton(logits: torch.Tensor, block: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
     """logits.argmax(-1) (the first maximal index) of (B, V): one program per row reads it once
     (torch's reduction of one 128k row takes ~37 us on an H200)."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    cb, cw = config(V)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     z = torch.zeros(B, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(B,)](logits, z, out, z, z, out, V, logits.stride(0), 1, BLOCK=BLOCK,
-                         GREEDY=True, num_warps=8)
+    _sample_kernel[(B,)](logits, z, out, z, out, out, out, V, logits.stride(0), 1,
+                         BLOCK=block or cb, GREEDY=True, num_warps=num_warps or cw)
     return out

@@ -2,7 +2,7 @@
 
 Both run the same algorithm on the same uniforms, so they draw the same tokens; they may part
 only where a uniform falls within a few ulps of a token's CDF boundary (another summation
-order), hence >= 99% identical rows over fresh random logits, and every token inside its row's
+order), hence at most one row in 50 (at least one allowed) not identical over fresh random logits, and every token inside its row's
 filtered support. CPU: the kernel under TRITON_INTERPRET=1 at small vocabularies (one and
 several blocks); CUDA (@cuda): Llama-1B's vocabulary in bf16 at 1 and 64 rows. That the
 algorithm follows the filtered distribution is tested on the reference (tests/runtime/test_sampler.py).
@@ -29,14 +29,14 @@ def _case(B, V, dtype, device, g):
     top_p[::4] = 1.0
     seeds = torch.randint(0, 1 << 40, (B,), generator=g)
     pos = torch.randint(0, 4096, (B,), generator=g)
-    u = round_uniforms(seeds, pos, ROUNDS)
-    return [a.to(device) for a in (logits, temp, top_k, top_p, u)]
+    return [a.to(device) for a in (logits, temp, top_k, top_p, seeds, pos)]
 
 
-def _check(logits, temp, top_k, top_p, u):
-    got = kern.sample_triton(logits, temp, top_k, top_p, u).cpu()
-    want = sample_reference(logits, temp, top_k, top_p, u).cpu()
-    assert (got == want).float().mean() >= 0.99
+def _check(logits, temp, top_k, top_p, seeds, pos):
+    got = kern.sample_triton(logits, temp, top_k, top_p, seeds, pos, ROUNDS).cpu()
+    want = sample_reference(logits, temp, top_k, top_p, round_uniforms(seeds, pos, ROUNDS)).cpu()
+    # a row may part where its uniform falls within rounding of a token's CDF boundary
+    assert (got != want).sum() <= max(1, 0.02 * len(got))
     for i in range(logits.shape[0]):
         t = float(temp[i])
         if t == 0:
@@ -52,6 +52,21 @@ def _check(logits, temp, top_k, top_p, u):
 def test_kernel_draws_the_reference_tokens(V):
     g = torch.Generator().manual_seed(V)
     _check(*_case(12, V, torch.float32, "cpu", g))
+
+
+@cpu_kernels
+def test_kernel_hashes_the_uniforms_of_round_uniforms():
+    """The kernel's in-kernel hash (int64 arithmetic in Triton) equals round_uniforms': with
+    top_p = 1 and no top-k one round inverts the CDF at u[:, 0], so the token reveals u."""
+    g = torch.Generator().manual_seed(5)
+    V, B = 64, 16
+    logits = torch.zeros(B, V)  # uniform rows: the token is floor(u * V)
+    seeds = torch.randint(0, 1 << 62, (B,), generator=g)
+    pos = torch.randint(0, 1 << 31, (B,), generator=g)
+    got = kern.sample_triton(logits, torch.ones(B), torch.zeros(B, dtype=torch.int64), torch.ones(B),
+                             seeds, pos, 1)
+    u = round_uniforms(seeds, pos, 1)[:, 0]
+    assert got.tolist() == (u * V).floor().long().tolist()
 
 
 @pytest.mark.cuda
