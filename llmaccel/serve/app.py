@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one EngineLoop: routes, errors, streaming, auth."""
+"""The OpenAI-compatible HTTP API over one engine loop: routes, errors, streaming, auth."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from llmaccel.serve.loop import ACCEPTED, EngineLoop, Job, ServeError
+from llmaccel.serve.loop import ACCEPTED, EngineThread, Frontend, Job, ServeError
 from llmaccel.serve.metrics import ServeMetrics
 from llmaccel.serve.protocol import (ChatRequest, Choices, CompletionRequest, Envelope, TokenNames,
                                      usage)
@@ -45,19 +45,21 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 class Server:
     """The state the routes share: the engine loop, its model's facts, metrics, the API key."""
 
-    def __init__(self, llm, *, name: str, api_key: str | None = None, max_waiting: int = 1024):
+    def __init__(self, engine, *, name: str, api_key: str | None = None, max_waiting: int = 1024):
+        """engine: a Frontend (EngineProcess for `llmc serve`), or an LLM run on a thread."""
         self.name, self.api_key = name, api_key
         self.metrics = ServeMetrics()
-        self.loop = EngineLoop(llm, max_waiting=max_waiting, metrics=self.metrics)
+        self.loop = engine if isinstance(engine, Frontend) else EngineThread(engine)
+        self.loop.metrics, self.loop.max_waiting = self.metrics, max_waiting
         self.metrics.watch(self.loop)
-        self.ctx = llm.cfg.max_position
-        self.vocab = llm.cfg.vocab_size
+        facts = self.loop.facts
+        self.ctx, self.vocab = facts["max_position"], facts["vocab_size"]
         self.tokenizer = None
-        if llm.model.tokenizer_dir is not None:
-            # a copy of its own: the engine thread decodes with the model's at the same time
+        if facts["tokenizer_dir"] is not None:
+            # a copy of its own: the engine decodes with the model's at the same time
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(llm.model.tokenizer_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(facts["tokenizer_dir"])
         self.names = TokenNames(self.tokenizer)
 
     # -------------------------------------------------------------- request checks
@@ -152,7 +154,7 @@ class Server:
         if isinstance(item, ServeError):
             job.done = True
             raise item
-        assert item is ACCEPTED, item
+        assert item == ACCEPTED, item
         return job
 
     async def deltas(self, job: Job, request: Request):
@@ -229,8 +231,9 @@ class Server:
         return JSONResponse(e.body, status_code=e.status)
 
 
-def create_app(llm, *, name: str, api_key: str | None = None, max_waiting: int = 1024) -> FastAPI:
-    s = Server(llm, name=name, api_key=api_key, max_waiting=max_waiting)
+def create_app(engine, *, name: str, api_key: str | None = None, max_waiting: int = 1024) -> FastAPI:
+    """The app over `engine`: an EngineProcess, or an LLM (run on a thread of this process)."""
+    s = Server(engine, name=name, api_key=api_key, max_waiting=max_waiting)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -56,9 +56,9 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
     # uvicorn re-raises the signal it stopped on with the handler it found: a handler that does
     # nothing makes SIGTERM end the process with status 0 once the server is down
     signal.signal(signal.SIGTERM, lambda *_: None)
-    # The engine thread and the event loop share the GIL. A thread coming back from a call that
-    # released it (a CUDA sync, a socket write) waits until the holder yields, by default up to
-    # 5 ms; the engine would idle that long behind the HTTP work each time.
+    # The thread that routes the engine's events shares the GIL with the event loop. A thread
+    # coming back from a call that released it (a pipe read, a socket write) waits until the
+    # holder yields, by default up to 5 ms; every stream's tokens would wait that long.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     _Server(config).run(sockets=[sock])
 
@@ -66,16 +66,17 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
 def cmd_serve(a) -> None:
     _need_extra()
     _check(a)
-    from llmaccel.runtime.engine import LLM
     from llmaccel.serve.app import create_app
+    from llmaccel.serve.process import EngineProcess
 
     opts = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
-    llm = LLM(a.src, max_num_seqs=a.max_num_seqs, kv_cache_tokens=a.kv_cache_tokens, speculative=a.speculative,
-              enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype, **opts)
+    sock = _bind(a.host, a.port)  # a port in use fails before the model loads
+    engine = EngineProcess(source=a.src, max_num_seqs=a.max_num_seqs, kv_cache_tokens=a.kv_cache_tokens,
+                           speculative=a.speculative, enable_prefix_caching=not a.no_prefix_caching,
+                           device=a.device, dtype=a.dtype, **opts)
     name = a.served_model_name or a.src
-    app = create_app(llm, name=name, api_key=a.api_key or os.environ.get("LLMACCEL_API_KEY") or None,
+    app = create_app(engine, name=name, api_key=a.api_key or os.environ.get("LLMACCEL_API_KEY") or None,
                      max_waiting=a.max_waiting)
-    sock = _bind(a.host, a.port)
     host, port = sock.getsockname()[:2]
     print(f"llmc serve: {name} on http://{host}:{port}/v1", flush=True)
     run_server(app, sock, shutdown_timeout=a.shutdown_timeout, log_level=a.log_level)

@@ -1,9 +1,13 @@
-"""The engine thread: the one owner of an `LLM`. HTTP handlers reach it only through queues.
+"""The engine loop: the one owner of an `LLM`. HTTP handlers reach it only through queues.
 
-`LLM` is not thread-safe, so a single thread adds, steps and aborts. Handlers submit a `Job`
-(one HTTP request: one sequence per prompt and choice) into the inbox and read its events from
-an asyncio queue the thread feeds with `call_soon_threadsafe`. An exception inside a step fails
-the jobs whose sequences were in it (HTTP 500) and the loop keeps serving the others.
+`LLM` is not thread-safe, so one loop (EngineCore) adds, steps and aborts. Handlers submit a
+`Job` (one HTTP request: one sequence per prompt and choice) through a frontend and read its
+events from an asyncio queue the frontend feeds with `call_soon_threadsafe`, one wake-up per
+engine turn. Two frontends, one core: EngineThread runs the core on a thread of this process
+(tests reach into its LLM); EngineProcess (serve/process.py, what `llmc serve` runs) runs it in
+a process of its own, so the engine never waits for the HTTP side's Python (the GIL) between
+steps. An exception inside a step fails the jobs whose sequences were in it (HTTP 500) and the
+loop keeps serving the others.
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ class ServeError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
 
+    def __reduce__(self):  # crosses the process boundary with all its fields
+        return ServeError, (self.status, self.message, self.param, self.code)
+
 
 @dataclass
 class Delta:
@@ -57,9 +64,11 @@ class Job:
         self.prompts, self.params = prompts, params
         self.events: asyncio.Queue = asyncio.Queue()  # ACCEPTED, Deltas, or a ServeError
         self.aio = asyncio.get_running_loop()
+        # time.perf_counter is the system's monotonic clock: an engine process reads it too
         self.t0 = time.perf_counter()
         self.checked = time.monotonic()  # when the handler last asked whether its client is there
         self.done = False  # set by the handler when it saw every choice finish or an error
+        self.taken = False  # the engine answered its submission (ACCEPTED or an error)
 
 
 def _deliver(items: list[tuple[Job, object]]) -> None:
@@ -67,28 +76,92 @@ def _deliver(items: list[tuple[Job, object]]) -> None:
         job.events.put_nowait(item)
 
 
-class _Outbox:
-    """Events gathered over one turn of the engine loop and handed to each event loop in one
-    call: a wake-up per turn, not one per event (256 streams emit 256 events a step)."""
+class Frontend:
+    """The handlers' side of an engine loop: admission control, commands in, events routed to
+    each job's event loop. Subclasses move commands and events (a thread or a process)."""
 
-    def __init__(self):
-        self.items: dict[asyncio.AbstractEventLoop, list] = {}
+    def __init__(self, *, max_waiting: int = 1024):
+        self.max_waiting = max_waiting
+        self.metrics = None  # a ServeMetrics the events are recorded into, set by the server
+        self.error: BaseException | None = None  # why the engine loop died, if it did
+        self._lock = threading.Lock()
+        self._in_flight_adds = 0   # choices submitted, not yet answered by the engine
+        self._closed = False
+        self._core: dict = {}      # the core's latest figures, replaced (not mutated) per turn
+        self._routed: dict[asyncio.AbstractEventLoop, list] = {}
 
-    def post(self, job: Job, item) -> None:
-        self.items.setdefault(job.aio, []).append((job, item))
+    facts: dict  # max_position, vocab_size, tokenizer_dir of the model served
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def _send(self, cmd: tuple) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    @property
+    def snapshot(self) -> dict:
+        core = self._core
+        with self._lock:
+            waiting = core.get("engine_waiting", 0) + self._in_flight_adds
+        return {**{k: v for k, v in core.items() if k != "engine_waiting"}, "waiting": waiting}
+
+    def close(self, grace: float | None = None) -> None:
+        """Stop admission: every later submit gets 503 (shutdown has begun). After `grace`
+        seconds, requests still in flight end with 503 and their blocks are freed."""
+        with self._lock:
+            self._closed = True
+        self._send(("close", grace))
+
+    def submit(self, job: Job) -> None:
+        n = len(job.prompts)
+        with self._lock:
+            if self._closed or not self.alive:
+                raise ServeError(503, "the server is shutting down" if self._closed
+                                 else "the engine loop has stopped")
+            queued = self._in_flight_adds + self._core.get("engine_waiting", 0)
+            if queued + n > self.max_waiting:
+                raise ServeError(429, f"too many requests waiting ({queued} sequences queued, "
+                                      f"limit {self.max_waiting}); retry later")
+            self._in_flight_adds += n
+        self._send(("add", job))
+
+    def abort(self, job: Job) -> None:
+        self._send(("abort", job))
+
+    # ------------------------------------------------------------ events, on the engine's side
+    def route(self, job: Job, item) -> None:
+        """Queue one event for its job (delivered at the next flush)."""
+        if not job.taken and (item == ACCEPTED or isinstance(item, ServeError)):
+            job.taken = True
+            with self._lock:
+                self._in_flight_adds -= len(job.prompts)
+        self._routed.setdefault(job.aio, []).append((job, item))
 
     def flush(self) -> None:
-        items, self.items = self.items, {}
+        """Hand each event loop its events in one call: a wake-up per engine turn, not one per
+        event (256 streams emit 256 events a step)."""
+        items, self._routed = self._routed, {}
         for aio, batch in items.items():
             try:
                 aio.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
 
+    def record(self, kind: str, value) -> None:
+        if self.metrics is not None:
+            self.metrics.record(kind, value)
+
 
 @dataclass
 class _Choice:
-    job: Job
+    job: object
     index: int
     seq: Sequence
     sent_tokens: int = 0
@@ -97,108 +170,64 @@ class _Choice:
     first_t: float | None = None
 
 
-class EngineLoop:
-    """Runs `llm` on its own thread. metrics: a ServeMetrics (or None) it reports into."""
+class EngineCore:
+    """The loop that owns `llm`. Commands come from `inbox` (get(timeout) / get_nowait, raising
+    queue.Empty): ("add", job), ("abort", job), ("close", grace), ("stop", None); a job has
+    prompts, params and t0. Events go to `out` (route(job, item), flush(), record(kind, value),
+    publish(figures))."""
 
-    def __init__(self, llm, *, max_waiting: int = 1024, metrics=None):
-        self.llm, self.max_waiting, self.metrics = llm, max_waiting, metrics
+    def __init__(self, llm, inbox, out):
+        self.llm, self.inbox, self.out = llm, inbox, out
         self.has_text = llm.model.tokenizer_dir is not None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._choices: list[_Choice] = []
-        self._out = _Outbox()
-        self._lock = threading.Lock()
-        self._in_flight_adds = 0   # choices submitted, not yet added to the engine
-        self._engine_waiting = 0   # choices in the engine that hold no KV blocks yet
-        self._closed = False
         self._deadline: float | None = None  # when shutdown fails what is still in flight
-        self.error: BaseException | None = None  # why the thread died, if it did
-        self.snapshot: dict = {}  # engine figures for /metrics, replaced (not mutated) per turn
-        self._thread = threading.Thread(target=self._run, name="llmaccel-engine", daemon=True)
 
-    # ------------------------------------------------------------ the handlers' side
-    def start(self) -> None:
-        self._publish()
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    def close(self, grace: float | None = None) -> None:
-        """Stop admission: every later submit gets 503 (shutdown has begun). After `grace`
-        seconds, requests still in flight end with 503 and their blocks are freed."""
-        with self._lock:
-            self._closed = True
-            if grace is not None:
-                self._deadline = time.monotonic() + grace
-
-    def submit(self, job: Job) -> None:
-        n = len(job.prompts)
-        with self._lock:
-            if self._closed or not self.alive:
-                raise ServeError(503, "the server is shutting down" if self._closed
-                                 else "the engine loop has stopped")
-            queued = self._in_flight_adds + self._engine_waiting
-            if queued + n > self.max_waiting:
-                raise ServeError(429, f"too many requests waiting ({queued} sequences queued, "
-                                      f"limit {self.max_waiting}); retry later")
-            self._in_flight_adds += n
-        self._inbox.put(("add", job))
-
-    def abort(self, job: Job) -> None:
-        self._inbox.put(("abort", job))
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is left (its handlers get 503) and stop the thread."""
-        self.close()
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout)
-
-    # ------------------------------------------------------------ the engine thread
-    def _run(self) -> None:
+    def run(self) -> BaseException | None:
+        """Serve until ("stop", None); the exception that killed the loop, if one did."""
         try:
+            self._publish()
             while self._drain(block=not self._choices and not self.llm.has_unfinished()):
                 if self._deadline is not None and time.monotonic() > self._deadline and self._choices:
                     self._fail([c.job for c in self._choices],
                                ServeError(503, "the server shut down before this request finished"))
-                self._out.flush()  # acceptances and errors before a step that may be long
+                self.out.flush()  # acceptances and errors before a step that may be long
                 if self.llm.has_unfinished():
                     self._step()
                 self._emit()
-                self._out.flush()
+                self.out.flush()
                 self._publish()
         except BaseException as e:  # a bug in the loop itself: /health turns 503
             log.exception("engine loop died")
-            self.error = e
             self._fail([c.job for c in self._choices], ServeError(500, f"engine loop died: {e}"))
-            self._out.flush()
-            return
+            self.out.flush()
+            return e
         self._fail([c.job for c in self._choices], ServeError(503, "the server is shutting down"))
-        self._out.flush()
+        self.out.flush()
         self._publish()
+        return None
 
     def _drain(self, block: bool) -> bool:
         """Handle queued commands (waiting for one when idle); False on stop."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
-            kind, job = item
+            kind, arg = item
             if kind == "stop":
                 return False
             if kind == "add":
-                self._add(job)
-            else:
-                self._fail([job], None)
+                self._add(arg)
+            elif kind == "abort":
+                self._fail([arg], None)
+            elif kind == "close" and arg is not None:
+                self._deadline = time.monotonic() + arg
             try:
-                item = self._inbox.get_nowait()
+                item = self.inbox.get_nowait()
             except queue.Empty:
                 return True
 
-    def _add(self, job: Job) -> None:
-        with self._lock:
-            self._in_flight_adds -= len(job.prompts)
+    def _add(self, job) -> None:
         choices = []
         try:
             for i, (ids, params) in enumerate(zip(job.prompts, job.params)):
@@ -209,12 +238,12 @@ class EngineLoop:
         except (ServeError, LlmaccelError) as e:
             for c in choices:
                 self.llm.abort(c.seq)
-            self._out.post(job, e if isinstance(e, ServeError) else ServeError(400, str(e)))
+            self.out.route(job, e if isinstance(e, ServeError) else ServeError(400, str(e)))
             return
         self._choices += choices
-        self._out.post(job, ACCEPTED)
+        self.out.route(job, ACCEPTED)
 
-    def _fail(self, jobs: list[Job], err: ServeError | None) -> None:
+    def _fail(self, jobs: list, err: ServeError | None) -> None:
         """Abort every sequence of these jobs (freeing their blocks); tell them err if any."""
         ids = {id(j) for j in jobs}
         keep = []
@@ -226,11 +255,11 @@ class EngineLoop:
                     self.llm.abort(c.seq)
                 except Exception:  # noqa: BLE001 - a sequence a failed step left half-updated
                     log.exception("abort after a failure")
-                self._finished(c, "abort" if err is None else "error")
+                self.out.record("finished", "abort" if err is None else "error")
         self._choices = keep
         if err is not None:
             for j in {id(j): j for j in jobs}.values():
-                self._out.post(j, err)
+                self.out.route(j, err)
 
     def _step(self) -> None:
         try:
@@ -249,15 +278,14 @@ class EngineLoop:
         for c in self._choices:
             seq = c.seq
             if seq.n_output > c.sent_tokens or seq.finished:
-                self._out.post(c.job, self._delta(c))
+                self.out.route(c.job, self._delta(c))
                 if c.first_t is None and c.sent_tokens:
                     c.first_t = now
-                    if self.metrics is not None:
-                        self.metrics.ttft.observe(now - c.job.t0)
+                    self.out.record("ttft", now - c.job.t0)
             if seq.finished:
-                if self.metrics is not None and c.sent_tokens > 1:
-                    self.metrics.tpot.observe((now - c.first_t) / (c.sent_tokens - 1))
-                self._finished(c, seq.finish_reason)
+                if c.sent_tokens > 1:
+                    self.out.record("tpot", (now - c.first_t) / (c.sent_tokens - 1))
+                self.out.record("finished", seq.finish_reason)
             else:
                 keep.append(c)
         self._choices = keep
@@ -275,16 +303,49 @@ class EngineLoop:
             c.sent_text = max(c.sent_text, len(full))
         return Delta(c.index, ids, text, lps, seq.finish_reason if seq.finished else None)
 
-    def _finished(self, c: _Choice, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.finished.labels(reason=reason).inc()
-
     def _publish(self) -> None:
         m = self.llm.metrics()
         running = sum(1 for c in self._choices if c.seq.block_table)
-        with self._lock:
-            self._engine_waiting = len(self._choices) - running
-            waiting = self._engine_waiting + self._in_flight_adds
-        self.snapshot = dict(running=running, waiting=waiting, kv_blocks_used=m["kv_blocks_used"],
-                             kv_blocks_total=m["kv_blocks_total"], preemptions=m["preemptions"],
-                             prompt_tokens=m["prompt_tokens"], generated_tokens=m["generated_tokens"])
+        self.out.publish(dict(running=running, engine_waiting=len(self._choices) - running,
+                              kv_blocks_used=m["kv_blocks_used"], kv_blocks_total=m["kv_blocks_total"],
+                              preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
+                              generated_tokens=m["generated_tokens"]))
+
+
+def model_facts(llm) -> dict:
+    """What the HTTP side needs to know of the model an engine serves."""
+    return dict(max_position=llm.cfg.max_position, vocab_size=llm.cfg.vocab_size,
+                tokenizer_dir=llm.model.tokenizer_dir)
+
+
+class EngineThread(Frontend):
+    """The core on a thread of this process, over `llm` (tests reach into it)."""
+
+    def __init__(self, llm, *, max_waiting: int = 1024):
+        super().__init__(max_waiting=max_waiting)
+        self.llm = llm
+        self.facts = model_facts(llm)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="llmaccel-engine", daemon=True)
+
+    def _run(self) -> None:
+        self.error = EngineCore(self.llm, self._inbox, self).run()
+
+    def publish(self, figures: dict) -> None:
+        self._core = figures
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def _send(self, cmd: tuple) -> None:
+        self._inbox.put(cmd)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left (its handlers get 503) and stop the thread."""
+        self.close()
+        self._send(("stop", None))
+        self._thread.join(timeout)

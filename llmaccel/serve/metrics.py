@@ -47,6 +47,15 @@ class ServeMetrics:
                               "first to last token over the tokens after the first", buckets=TPOT_BUCKETS,
                               registry=r)
 
+    def record(self, kind: str, value) -> None:
+        """One observation of the engine loop: ttft / tpot seconds, or a finish reason."""
+        if kind == "ttft":
+            self.ttft.observe(value)
+        elif kind == "tpot":
+            self.tpot.observe(value)
+        else:
+            self.finished.labels(reason=value).inc()
+
     def watch(self, loop) -> None:
         """Export the engine loop's gauges and counters."""
         self.registry.register(_EngineCollector(loop))

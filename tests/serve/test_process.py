@@ -1,0 +1,74 @@
+"""EngineProcess, the engine loop in a process of its own (what `llmc serve` runs): a job's
+events cross the pipe intact, a model that cannot load is one clear error, and an engine
+process that dies fails what was in flight with 500 and turns /health's `alive` off."""
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from llmaccel.errors import LlmaccelError
+from llmaccel.sampling import SamplingParams
+from llmaccel.serve.loop import ACCEPTED, Delta, Job, ServeError
+from llmaccel.serve.process import EngineProcess
+
+TINY = dict(source="preset:tiny-llama", device="cpu", dtype="float32", kv_cache_tokens=4096)
+
+
+async def _events(eng, job: Job, until) -> list:
+    eng.submit(job)
+    out = []
+    while not until(out):
+        out.append(await asyncio.wait_for(job.events.get(), 30))
+    return out
+
+
+def test_a_job_runs_in_the_engine_process_and_the_figures_come_back():
+    eng = EngineProcess(**TINY)
+    eng.start()
+    try:
+        async def run():
+            job = Job([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=5, ignore_eos=True),
+                                            SamplingParams(max_tokens=3, ignore_eos=True)])
+            return await _events(eng, job, lambda ev: sum(isinstance(e, Delta) and e.finish_reason is not None
+                                                          for e in ev) == 2)
+        ev = asyncio.run(run())
+        assert ev[0] == ACCEPTED
+        toks = {0: [], 1: []}
+        for d in ev[1:]:
+            toks[d.index] += d.token_ids
+        assert [len(toks[0]), len(toks[1])] == [5, 3]
+        deadline = time.monotonic() + 10
+        while eng.snapshot.get("kv_blocks_used", -1) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.snapshot["kv_blocks_used"] == 0 and eng.snapshot["waiting"] == 0
+        assert eng.alive
+    finally:
+        eng.shutdown()
+    assert not eng.alive
+
+
+def test_a_model_that_cannot_load_is_one_clear_error():
+    with pytest.raises(LlmaccelError, match="nope"):
+        EngineProcess(source="preset:nope", device="cpu")
+
+
+def test_a_dead_engine_process_fails_its_jobs_with_500():
+    eng = EngineProcess(**TINY)
+    eng.start()
+    try:
+        async def run():
+            job = Job([[1, 2, 3]], [SamplingParams(max_tokens=1000, ignore_eos=True)])
+            eng.submit(job)
+            assert await asyncio.wait_for(job.events.get(), 30) == ACCEPTED
+            os.kill(eng.pid, signal.SIGKILL)
+            while True:
+                e = await asyncio.wait_for(job.events.get(), 30)
+                if not isinstance(e, Delta):
+                    return e
+        err = asyncio.run(run())
+        assert isinstance(err, ServeError) and err.status == 500 and "exited" in err.message
+        assert not eng.alive
+    finally:
+        eng.shutdown()
