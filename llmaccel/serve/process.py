@@ -66,11 +66,20 @@ class _PipeInbox:
 
 
 class _PipeOut:
-    """The child's side of route / flush / record / publish: one message per engine turn."""
+    """The child's side of route / flush / record / publish: a message per flush, pickled and
+    sent by a thread of its own while the engine thread goes on to its next step (the pickling
+    of a turn's 256 deltas would otherwise keep the GPU waiting)."""
 
     def __init__(self, conn, inbox: _PipeInbox):
         self.conn, self.inbox = conn, inbox
         self.events, self.observed, self.figures = [], [], None
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_all, name="llmaccel-engine-events", daemon=True)
+        self._sender.start()
+
+    def _send_all(self) -> None:
+        while (msg := self._q.get()) is not None:
+            self.conn.send(msg)
 
     def route(self, job: _RemoteJob, item) -> None:
         self.events.append((job.id, item))
@@ -84,11 +93,17 @@ class _PipeOut:
 
     def flush(self) -> None:
         if self.events or self.observed or self.figures is not None:
-            self.conn.send(("turn", self.events, self.observed, self.figures))
+            self._q.put(("turn", self.events, self.observed, self.figures))
             for jid, item in self.events:  # the child forgets a job once it has ended
                 if _ends(item):
                     self.inbox.jobs.pop(jid, None)
             self.events, self.observed, self.figures = [], [], None
+
+    def close(self, last: tuple) -> None:
+        """Send what is queued, then `last`."""
+        self._q.put(last)
+        self._q.put(None)
+        self._sender.join()
 
 
 def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
@@ -102,14 +117,15 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
         return
     out_conn.send(("ready", model_facts(llm)))
     inbox = _PipeInbox(cmd_conn)
+    out = _PipeOut(out_conn, inbox)
     result = []
     # on a thread, as LLM runs in a server thread or a user's: on a busy CPU, torch's intra-op
     # pool makes small ops of the main thread several times slower
-    t = threading.Thread(target=lambda: result.append(EngineCore(llm, inbox, _PipeOut(out_conn, inbox)).run()))
+    t = threading.Thread(target=lambda: result.append(EngineCore(llm, inbox, out).run()))
     t.start()
     t.join()
     err = result[0] if result else RuntimeError("the engine thread ended without a result")
-    out_conn.send(("died", repr(err)) if err is not None else ("stopped", None))
+    out.close(("died", repr(err)) if err is not None else ("stopped", None))
 
 
 class EngineProcess(Frontend):
