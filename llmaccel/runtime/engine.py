@@ -313,6 +313,19 @@ class LLM:
     def _append(self, seq: Sequence, toks: list[int], lps: list | None = None) -> None:
         """Append tokens until one ends the request; lps: per token (logprob, top pairs)."""
         p = seq.params
+        if seq.logprobs is None and not (p.stop and self.model.tokenizer_dir is not None):
+            # no per-token work: the tokens up to the first EOS or the length limit at once
+            # (a decode group hands 256 rows x 8 tokens to this loop)
+            limit = max(1, min(p.max_tokens - seq.n_output, self.cfg.max_position - len(seq.token_ids)))
+            take = toks[:limit]
+            if not p.ignore_eos and not self.eos.isdisjoint(take):
+                take = take[:next(j for j, t in enumerate(take) if t in self.eos)]
+                seq.finish_reason = "stop"
+            elif len(toks) >= limit:
+                seq.finish_reason = "length"
+            seq.token_ids += take
+            self.stats["generated_tokens"] += len(take)
+            return
         for j, t in enumerate(toks):
             if t in self.eos and not p.ignore_eos:
                 seq.finish_reason = "stop"
