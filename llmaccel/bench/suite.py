@@ -106,7 +106,8 @@ def serve_setup(wheels: Path | None, deps: Path) -> tuple[list[list[str]], str |
 
 
 def run_suite(jobs: list[Job], out: Path, deadline_s: float, *, wheels: Path | None = None,
-              deps: Path | None = None, min_left_s: float = MIN_LEFT_S, echo=print) -> list[dict]:
+              deps: Path | None = None, min_left_s: float = MIN_LEFT_S, echo=print,
+              clock=time.monotonic) -> list[dict]:
     """Run the jobs in order under one deadline; append each record to OUT/suite.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "suite.jsonl"
@@ -114,10 +115,10 @@ def run_suite(jobs: list[Job], out: Path, deadline_s: float, *, wheels: Path | N
     base = dict(os.environ)
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [base.get("PYTHONPATH")])])
     base["OUT"] = str(out)
-    t0 = time.monotonic()
+    t0 = clock()
     records = []
     for job in jobs:
-        left = deadline_s - (time.monotonic() - t0)
+        left = deadline_s - (clock() - t0)
         env, pre, skip = base, [], job.skip
         if skip is None and job.serve:
             pre, extra, skip = serve_setup(wheels, deps or Path(tempfile.gettempdir(), "deps"))
