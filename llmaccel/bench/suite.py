@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,32 @@ def _tail(text: str) -> str:
     return "\n".join(text.splitlines()[-TAIL_LINES:])[-2000:]
 
 
+def _read_json(path: Path | None) -> dict | None:
+    try:
+        d = json.loads(path.read_text()) if path is not None and path.exists() else None
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _call(argv: list[str], log, env: dict[str, str], timeout: float) -> int | None:
+    """Exit status of argv, or None when it ran past `timeout`: then its whole process group is
+    ended (a row's own children, such as the server the serve row starts, must not outlive it)."""
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        return p.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
+            try:
+                os.killpg(p.pid, sig)
+                p.wait(timeout=wait)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        return None
+
+
 def run_job(job: Job, out: Path, limit_s: float, env: dict[str, str], pre: list[list[str]] = ()) -> dict:
     """Run one job (after the commands in `pre`, which share its log and limit); its record."""
     log = out / f"{job.label}.log"
@@ -64,31 +91,22 @@ def run_job(job: Job, out: Path, limit_s: float, env: dict[str, str], pre: list[
         for argv in [*pre, [sys.executable, *job.argv]]:
             f.write("$ " + shlex.join(argv) + "\n")
             f.flush()
-            left = limit_s - (time.monotonic() - t0)
-            try:
-                rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=max(left, 1)).returncode
-            except subprocess.TimeoutExpired:
-                rc = None
+            rc = _call(argv, f, env, limit_s - (time.monotonic() - t0))
             if rc != 0:
                 break
     rec["wall_s"] = round(time.monotonic() - t0, 1)
     text = log.read_text(errors="replace")
-    data = None
     if rc == 0 and not job.json:
-        rec.update(status="ok", summary=next((ln for ln in reversed(text.splitlines()) if ln.strip()), ""))
-        return rec
-    if rc == 0:
-        data = json.loads(result.read_text()) if result is not None and result.exists() else (
-            None if result is not None else last_json(text))
-    if data is not None:
-        rec.update(status="ok", result=data)
-        if result is not None:
-            rec["summary"] = f"ok, JSON in {result.name}"
-    else:
-        why = (f"time limit ({limit_s:.0f} s)" if rc is None else f"exit code {rc}" if rc
-               else f"no JSON in {result.name if result else 'the log'}")
-        rec.update(status="failed", error=why, tail=_tail(text))
+        return {**rec, "status": "ok", "summary": next((ln for ln in reversed(text.splitlines()) if ln.strip()), "")}
+    data = _read_json(result) if result is not None else last_json(text)
+    if rc == 0 and data is not None:
+        return {**rec, "status": "ok", "result": data,
+                **({"summary": f"ok, JSON in {result.name}"} if result is not None else {})}
+    why = (f"time limit ({limit_s:.0f} s)" if rc is None else f"exit code {rc}" if rc
+           else f"no JSON in {result.name if result else 'the log'}")
+    rec.update(status="failed", error=why, tail=_tail(text))
+    if data is not None:  # a check failed after the figures were written: keep them
+        rec["result"] = data
     return rec
 
 
@@ -100,6 +118,8 @@ def serve_setup(wheels: Path | None, deps: Path) -> tuple[list[list[str]], str |
         return [], None, "fastapi is not importable: give --wheels DIR (docs/serving.md lists the wheels)"
     if not wheels.is_dir():
         return [], None, f"no wheel folder {wheels}"
+    if (deps / "fastapi").is_dir():  # installed by an earlier run on this machine
+        return [], str(deps), None
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
            "--target", str(deps), *SERVE_DEPS]
     return [cmd], str(deps), None
@@ -140,6 +160,18 @@ def run_suite(jobs: list[Job], out: Path, deadline_s: float, *, wheels: Path | N
     return records
 
 
+def describe_machine(device: str) -> str:
+    """One line naming what the figures were measured on; refuses --device cuda without CUDA."""
+    import platform
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LlmaccelError("no CUDA device here: --device cpu --small checks the suite on a CPU")
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    return f"{name}; Python {platform.python_version()}, torch {torch.__version__}"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m llmaccel.bench.suite", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, metavar="ROW",
@@ -176,6 +208,7 @@ def main(argv=None) -> int:
         if a.deadline <= 0:
             raise LlmaccelError(f"--deadline must be positive (got {a.deadline})")
         jobs = plan(a.rows, options(a))
+        print(describe_machine(a.device))
     except LlmaccelError as e:
         print(f"suite: error: {e}", file=sys.stderr)
         return 2

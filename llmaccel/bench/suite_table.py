@@ -108,14 +108,12 @@ def table(records: list[dict]) -> str:
     by = {r["label"]: r for r in records}
     lines = goal_lines(by)
     for r in records:
-        if r.get("status") != "ok":
-            continue
         res = r.get("result") or {}
-        if r["row"] == "load":
+        if r["row"] == "load" and res:
             lines += load_lines(res)
-        elif r["row"] == "serve":
+        elif r["row"] == "serve" and res:
             lines += serve_lines(res)
-        elif "summary" in r:
+        elif r.get("status") == "ok" and "summary" in r:
             lines.append(f"{r['label']}: {r['summary']}")
         for k, why in (res.get("graph_failures") or {}).items():
             lines.append(f"{r['label']}: decode shape {k} uncaptured: {why}")

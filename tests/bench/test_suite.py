@@ -2,7 +2,10 @@
 records for failures, time limits and the deadline, and the closing table's ratios."""
 import itertools
 import json
+import os
+import signal
 import sys
+import time
 
 import pytest
 
@@ -61,6 +64,23 @@ def test_records_of_failures_limits_and_deadline(tmp_path):
     assert [json.loads(x)["label"] for x in lines] == ["good", "crash", "slow", "silent", "late"]
 
 
+def test_time_limit_ends_the_row_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    rec = suite.run_suite([_py("parent", code, limit=2)], tmp_path, 560, echo=lambda *a: None)[0]
+    assert rec["error"].startswith("time limit")
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the orphan is reaped by init shortly after its group is killed
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the row's child outlived its time limit")
+
+
 def test_stale_result_file_is_not_reused(tmp_path):
     (tmp_path / "r.json").write_text('{"old": 1}')
     recs = suite.run_suite([_py("r", "pass", result="r.json")], tmp_path, 560, echo=lambda *a: None)
@@ -101,6 +121,9 @@ def test_peers_and_serve_reasons(tmp_path, monkeypatch):
     pre, path, why = suite.serve_setup(tmp_path, tmp_path / "deps")
     assert why is None and path == str(tmp_path / "deps")
     assert pre[0][:3] == [sys.executable, "-m", "pip"] and "--no-index" in pre[0] and "fastapi" in pre[0]
+    (tmp_path / "deps" / "fastapi").mkdir(parents=True)
+    assert suite.serve_setup(tmp_path, tmp_path / "deps") == ([], str(tmp_path / "deps"), None)
+    assert "no wheel folder" in suite.serve_setup(tmp_path / "none", tmp_path / "deps")[2]
 
 
 @pytest.mark.parametrize("small", [False, True])
