@@ -27,6 +27,7 @@ import time
 import torch
 
 from llmaccel import LLM, SamplingParams, load
+from llmaccel.bench.run import cuda_time_us
 from llmaccel.kernels import paged_attention as pa
 
 
@@ -51,18 +52,6 @@ def make_case(q_lens, ctx_lens, H, Hkv, D, bs, dtype, seed=0):
              cu_seqlens_q=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
                                        device="cuda"))
     return c
-
-
-def timed(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(iters):
-        fn()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / iters * 1000  # us
 
 
 def kernel_checks() -> list[dict]:
@@ -94,7 +83,7 @@ def kernel_checks() -> list[dict]:
                                           f32["context_lens"], scale)
         err = (run().float() - want).abs().max().item()
         kv_bytes = 2 * sum(ctx) * Hkv * D * 2
-        us = timed(run)
+        us = cuda_time_us(run, reps=20, warmup=1)
         out.append(dict(model=name, case=kind, max_abs_err=err, ok=err < 2e-2, us=round(us, 1),
                         kv_GBps=round(kv_bytes / us / 1e3, 1)))
         print(f"kernel {name:<10} {kind:<14} err {err:.2e} {us:9.1f} us  {out[-1]['kv_GBps']} GB/s",
