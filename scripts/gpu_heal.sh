@@ -11,6 +11,9 @@
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in float32 (AdamW updates vanish in bf16 weights). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.
+# Not a row of the GPU suite (python -m llmaccel.bench.suite), whose rows run one at a time under
+# one deadline and report speed: these jobs measure quality and must run at the same time, each
+# healing for minutes.
 set -uo pipefail
 MIN=${1:-6}
 OUT=${2:-out/heal-gpu}

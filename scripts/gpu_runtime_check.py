@@ -9,8 +9,10 @@
    token are measured;
 3. a few requests in fp32 against the reference executor's own greedy decode, token for token.
 
-Prints a short table last; writes JSON to $OUT/gpu_runtime_check.json when OUT is set.
-    python scripts/gpu_runtime_check.py [--requests 256] [--max-batched N]
+Prints a short table last; writes the JSON to --out (default $OUT/gpu_runtime_check.json when
+OUT is set). `--device cpu --small` runs the load on preset:tiny-llama at a few tokens (a check
+of the script itself). The GPU suite runs it as rows `load` and `kernels`.
+    python scripts/gpu_runtime_check.py [--requests 256] [--max-batched N] [--load-only | --no-load]
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 import torch
 
 from llmaccel import LLM, SamplingParams, load
+from llmaccel.bench.run import cuda_time_us
 from llmaccel.kernels import paged_attention as pa
 
 
@@ -49,18 +52,6 @@ def make_case(q_lens, ctx_lens, H, Hkv, D, bs, dtype, seed=0):
              cu_seqlens_q=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
                                        device="cuda"))
     return c
-
-
-def timed(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(iters):
-        fn()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / iters * 1000  # us
 
 
 def kernel_checks() -> list[dict]:
@@ -92,7 +83,7 @@ def kernel_checks() -> list[dict]:
                                           f32["context_lens"], scale)
         err = (run().float() - want).abs().max().item()
         kv_bytes = 2 * sum(ctx) * Hkv * D * 2
-        us = timed(run)
+        us = cuda_time_us(run, reps=20, warmup=1)
         out.append(dict(model=name, case=kind, max_abs_err=err, ok=err < 2e-2, us=round(us, 1),
                         kv_GBps=round(kv_bytes / us / 1e3, 1)))
         print(f"kernel {name:<10} {kind:<14} err {err:.2e} {us:9.1f} us  {out[-1]['kv_GBps']} GB/s",
@@ -100,27 +91,37 @@ def kernel_checks() -> list[dict]:
     return out
 
 
-def load_test(n_req: int, max_batched: int | None, graphs: bool = True, runs: int = 1) -> list[dict]:
+LOAD = dict(src="preset:llama-1b", prompt=(128, 1024), output=(128, 512))
+SMALL_LOAD = dict(src="preset:tiny-llama", prompt=(8, 16), output=(8, 16))
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def load_test(n_req: int, max_batched: int | None, graphs: bool = True, runs: int = 1,
+              device: str = "cuda", shape: dict = LOAD) -> list[dict]:
     """The same load `runs` times on one engine (with CUDA graphs the first run also captures
     the decode graphs its batch and width buckets need); the teacher-forced check on the last."""
     budget = {} if max_batched is None else dict(max_num_batched_tokens=max_batched)
-    llm = LLM("preset:llama-1b", dtype="bfloat16", device="cuda", max_num_seqs=256,
-              gpu_memory_utilization=0.6, cuda_graphs=graphs, **budget,
+    llm = LLM(shape["src"], dtype="bfloat16" if device == "cuda" else "float32", device=device,
+              max_num_seqs=256, gpu_memory_utilization=0.6, cuda_graphs=graphs, **budget,
               enable_prefix_caching=False)  # every run the same work (the same prompts)
-    out = [_load_run(llm, n_req, check=i == runs - 1) for i in range(runs)]
+    out = [_load_run(llm, n_req, check=i == runs - 1, shape=shape) for i in range(runs)]
     for r in out:
         r["cuda_graphs"] = graphs
     return out
 
 
-def _load_run(llm, n_req: int, check: bool) -> dict:
+def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
     rng = random.Random(0)
     V = llm.cfg.vocab_size
-    prompts = [[rng.randrange(V) for _ in range(rng.randint(128, 1024))] for _ in range(n_req)]
-    outs_n = [rng.randint(128, 512) for _ in range(n_req)]
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(*shape["prompt"]))] for _ in range(n_req)]
+    outs_n = [rng.randint(*shape["output"]) for _ in range(n_req)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True))  # compile kernels
     llm.generate([prompts[0] + prompts[1]] * 2 + [prompts[2][:1]], SamplingParams(max_tokens=2, ignore_eos=True))
-    torch.cuda.synchronize()
+    _sync(llm.device)
     graph0 = llm.metrics()["graph_steps"]
     steps0 = llm.metrics()["steps"]
     seqs = [llm.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True))
@@ -146,10 +147,10 @@ def _load_run(llm, n_req: int, check: bool) -> dict:
     # Teacher forcing: each output token must be the reference's argmax, or within bf16 noise of it.
     agree, near, worst = 0, 0, 1.0
     for s in (seqs if check else []):
-        ids = torch.tensor([s.token_ids], device="cuda")
+        ids = torch.tensor([s.token_ids], device=llm.device)
         with torch.no_grad():
             lg = llm.model.logits(ids)[0, s.n_prompt - 1: -1].float()
-        out = torch.tensor(s.output_ids, device="cuda")
+        out = torch.tensor(s.output_ids, device=llm.device)
         tok = lg.gather(1, out[:, None])[:, 0]
         mx = lg.max(-1).values
         a = (lg.argmax(-1) == out).sum().item()
@@ -183,7 +184,7 @@ def _time_split(llm) -> dict:
         def timed_fn(*a, _fn=fn, _name=name):
             t = time.perf_counter()
             r = _fn(*a)
-            torch.cuda.synchronize()
+            _sync(llm.device)
             split["steps"][_name] += 1
             split["s"][_name] += time.perf_counter() - t
             return r
@@ -215,23 +216,37 @@ def main() -> int:
     ap.add_argument("--graphs", choices=("on", "off", "both"), default="both",
                     help="the load with and / or without CUDA graphs of the decode steps")
     ap.add_argument("--load-only", action="store_true", help="skip the kernel and fp32 checks")
+    ap.add_argument("--no-load", action="store_true", help="the kernel and fp32 checks alone")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the load alone (with --small), a check of the script")
+    ap.add_argument("--small", action="store_true", help="the load on preset:tiny-llama, 8-16 tokens each way")
+    ap.add_argument("--out", default=None, help="write the JSON here (default: $OUT/gpu_runtime_check.json)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu --load-only)", file=sys.stderr)
         return 2
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+    if a.device == "cpu" and not a.load_only:
+        print("the kernel and fp32 checks need CUDA: give --load-only with --device cpu", file=sys.stderr)
+        return 2
+    if a.load_only and a.no_load:
+        print("--load-only and --no-load leave nothing to run", file=sys.stderr)
+        return 2
+    res = dict(device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"))
     if not a.load_only:
         res["kernels"] = kernel_checks()
         res["fp32_vs_reference_greedy"] = fp32_exact()
         torch.cuda.empty_cache()
     res["load"] = []
-    for graphs in {"on": (True,), "off": (False,), "both": (False, True)}[a.graphs]:
-        res["load"] += load_test(a.requests, a.max_batched, graphs, runs=2 if graphs else 1)
+    for graphs in () if a.no_load else {"on": (True,), "off": (False,), "both": (False, True)}[a.graphs]:
+        res["load"] += load_test(a.requests, a.max_batched, graphs, runs=2 if graphs else 1,
+                                 device=a.device, shape=SMALL_LOAD if a.small else LOAD)
         gc.collect()
-        torch.cuda.empty_cache()
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_runtime_check.json"), "w") as f:
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    out = a.out or (os.environ.get("OUT") and os.path.join(os.environ["OUT"], "gpu_runtime_check.json"))
+    if out:
+        with open(out, "w") as f:
             json.dump(res, f, indent=2)
     print("\n| check | result |\n|---|---|")
     ok = True

@@ -1,17 +1,17 @@
 """Plot decode speed against the fast peer and the goals (figures from docs/performance.md).
 
-    python scripts/plot_perf.py docs/results/h200-2026-11-29-bench9.jsonl -o docs/perf-h200.png
+    PYTHONPATH=. python scripts/plot_perf.py OUT/suite.jsonl -o docs/perf-h200.png
 
-Reads `scripts/gpu_bench.sh` JSON lines: for each goal case, llmc's decode tok/s, the fast
-peer's in the same call, the goal and the roofline, each as a fraction of the goal.
+Reads the GPU suite's JSON lines (`python -m llmaccel.bench.suite`; older files of docs/results/
+hold the same figures at the top level of each line): for each goal case, llmc's decode tok/s,
+the fast peer's in the same call, the goal and the roofline, each as a fraction of the goal.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-GOALS = {("llama-1b", 1): 1300, ("smollm2-135m", 1): 1500, ("llama-1b", 64): 40000,
-         ("llama2-7b", 1): 285, ("llama-1b-int4", 1): 2500}
+from llmaccel.bench.suite_table import GOALS
 
 
 def main() -> None:
@@ -23,13 +23,12 @@ def main() -> None:
     for path in a.jsonl:
         for line in open(path):
             r = json.loads(line)
-            by[r["label"]] = r
+            by[r["label"]] = {**r, **(r.get("result") or {})}
     rows = []
-    for (shape, b), goal in GOALS.items():
-        ours = by.get(f"llmc_{shape}_bs{b}", {})
-        peer = by.get(f"fast_{shape.removesuffix('-int4')}_bs{b}", {})
-        if "decode_tok_s" in ours:
-            rows.append((f"{shape}\nbs{b}", ours["decode_tok_s"], peer.get("decode_tok_s"), goal,
+    for g in GOALS:
+        ours, peer = by.get(g.label, {}), by.get(g.peer, {})
+        if g.tok_s and "decode_tok_s" in ours:  # the absolute goals (sampled rows are relative)
+            rows.append((g.case.replace(" ", "\n", 1), ours["decode_tok_s"], peer.get("decode_tok_s"), g.tok_s,
                          ours.get("roofline_tok_s")))
     import matplotlib
 
