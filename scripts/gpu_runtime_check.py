@@ -144,8 +144,12 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
     tpot = [(done[s.id] - first[s.id]) / (s.n_output - 1) for s in seqs if s.n_output > 1]
     lengths_ok = all(s.n_output == o and s.finish_reason == "length" and s.error is None
                      for s, o in zip(seqs, outs_n))
-    # Teacher forcing: each output token must be the reference's argmax, or within bf16 noise of it.
-    agree, near, worst = 0, 0, 1.0
+    # Teacher forcing: each output token must be the reference's argmax, or within rounding noise
+    # of it. A bf16 logit of magnitude 8-16 is rounded to 1/16, and the reference sums in another
+    # order over 16 layers: a few of those steps apart is noise (fp32: 1e-3). Random weights
+    # give flat distributions (many near ties), so the argmax itself agrees only ~92% of the time.
+    tol = 1e-3 if llm.dtype == torch.float32 else 0.25
+    agree, near, worst, gaps = 0, 0, 1.0, []
     for s in (seqs if check else []):
         ids = torch.tensor([s.token_ids], device=llm.device)
         with torch.no_grad():
@@ -154,7 +158,8 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
         tok = lg.gather(1, out[:, None])[:, 0]
         mx = lg.max(-1).values
         a = (lg.argmax(-1) == out).sum().item()
-        nr = (mx - tok <= 0.05).float().mean().item()
+        nr = (mx - tok <= tol).float().mean().item()
+        gaps.append(mx - tok)
         agree, near, worst = agree + a, near + nr * len(out), min(worst, nr)
     m = llm.metrics()
     return dict(requests=n_req, wall_s=round(wall, 2), graph_steps=m["graph_steps"] - graph0,
@@ -169,7 +174,9 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
                 # a run without the teacher-forced check reports none of its figures
                 argmax_agreement=round(agree / n_out, 4) if check else None,
                 near_greedy=round(near / n_out, 5) if check else None,
-                worst_request_near_greedy=round(worst, 4) if check else None,
+                worst_request_near_greedy=round(worst, 4) if check else None, near_tolerance=tol,
+                gap_p999_max=[round(torch.cat(gaps).float().quantile(q).item(), 4) for q in (0.999, 1.0)]
+                if check else None,
                 intact=lengths_ok and worst >= 0.99 if check else None)
 
 
@@ -267,7 +274,7 @@ def main() -> int:
               f"mean time per output token {ld['mean_tpot_ms']} ms |")
         if ld["checked"]:
             print(f"| {tag}: intact | {ld['intact']} (lengths {ld['lengths_ok']}, argmax {ld['argmax_agreement']:.2%},"
-                  f" within 0.05 of max {ld['near_greedy']:.3%}, worst request {ld['worst_request_near_greedy']:.2%}) |")
+                  f" within {ld['near_tolerance']} of max {ld['near_greedy']:.3%}, worst request {ld['worst_request_near_greedy']:.2%}) |")
             ok = ok and ld["intact"]
         ok = ok and ld["lengths_ok"]
     return 0 if ok else 1
