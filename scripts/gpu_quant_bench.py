@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--ops", default="int4,int8", help="which ops to sweep (both are timed)")
     a = ap.parse_args()
     from llmaccel.kernels import quant_linear as ql
+    from llmaccel.kernels import quant_linear_int8 as q8
     from llmaccel.ops import quant as ref
 
     t_start = time.time()
@@ -234,14 +235,14 @@ def main() -> None:
                     x, c_int4[i]["qw"], c_int4[i]["sc"], c_int4[i]["zr"], group_size=gs, config=cfg))
 
             def int8_call(cfg):
-                return lambda i: (lambda: ql.linear_int8_triton(x, c_int8[i]["q8"], c_int8[i]["s8"],
+                return lambda i: (lambda: q8.linear_int8_triton(x, c_int8[i]["q8"], c_int8[i]["s8"],
                                                                 config=cfg))
 
             dev = torch.cuda.get_device_name(x.device)
             d4 = ql.int4_config(M, N, K, gs, ql.sm_count(x.device), asm=ql._asm_works(ql.device_index(x.device)), device=dev)
             d8 = ql.int8_config(M, N, K, ql.sm_count(x.device), dev)
             err4 = rel_err(ql.linear_int4_triton(x, W["qw"], W["sc"], W["zr"], group_size=gs), exp4)
-            err8 = rel_err(ql.linear_int8_triton(x, W["q8"], W["s8"]), exp8)
+            err8 = rel_err(q8.linear_int8_triton(x, W["q8"], W["s8"]), exp8)
             t_bf16 = time_graph(lambda i: (lambda: F.linear(x, c_bf16[i]["w"])), len(c_bf16))
             t4 = time_graph(int4_call(None), len(c_int4))
             t8 = time_graph(int8_call(None), len(c_int8))

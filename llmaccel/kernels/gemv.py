@@ -23,7 +23,7 @@ Without PDL (older GPUs, the interpreter) the same kernel runs with the two call
                       eps=None, glu=False)
       the same op with linear_int4's weights (MatMulNBits layout, ops/quant.py): codes are read
       as int32 words (8 per word) with their groups' scales and zero points before the wait,
-      dequantized in registers (q - z exactly, by a magic-number FMA as in quant_linear.py) and
+      dequantized in registers (q - z exactly, by a magic-number FMA as in int_codes.py) and
       scaled once per (row, group): y = sum_g s_g * sum_k (q_k - z_g) x_k. Its programs are
       persistent (PROGRAMS_PER_SM): each reads x once and streams its row tiles two at a time.
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.kernels import cdiv, pdl_enabled, registered, sm_count, unit_stride
-from llmaccel.kernels.quant_linear import packed_words
+from llmaccel.kernels.int_codes import packed_words
 from llmaccel.ops.quant import dequantize_int4
 
 try:
@@ -132,7 +132,7 @@ def _out_width(op, x, n, bias, residual, glu) -> int:
 if triton is not None:
     from triton.language.extra import cuda as _tl_cuda
 
-    from llmaccel.kernels.quant_linear import _int4_tile, _x8
+    from llmaccel.kernels.int_codes import int4_tile, x8
 
     @triton.jit
     def _gemv_kernel(X, W, BIAS, R, O, N_OUT, K, s_x, s_w, s_r, s_o, eps,
@@ -294,14 +294,14 @@ if triton is not None:
             g_ok = rg < G
             rn = pid * BLOCK_N + ar
             n_ok = rn < N_OUT
-            w, s, z = _int4_tile(W, S, Z, rn.to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
+            w, s, z = int4_tile(W, S, Z, rn.to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
             wu, su, zu = w, s, z
             if GLU:
-                wu, su, zu = _int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
+                wu, su, zu = int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
             if PDL:
                 _tl_cuda.gdc_launch_dependents()
                 _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, rg, g_ok, K, GS)
+            x0, x1, x2, x3, x4, x5, x6, x7 = x8(xrow, rg, g_ok, K, GS)
             r = 1.0
             if NORM:
                 r = tl.rsqrt(_sumsq8(x0, x1, x2, x3, x4, x5, x6, x7) / K + eps)
@@ -310,11 +310,11 @@ if triton is not None:
                 n_ok = rn < N_OUT
                 rn2 = rn + P * BLOCK_N  # the next tile of this program (masked past the end)
                 ok2 = rn2 < N_OUT
-                w2, s2, z2 = _int4_tile(W, S, Z, rn2.to(tl.int64), ok2, rg, g_ok, G, ZB, GS)
+                w2, s2, z2 = int4_tile(W, S, Z, rn2.to(tl.int64), ok2, rg, g_ok, G, ZB, GS)
                 y = _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7) * r
                 u = y
                 if GLU:
-                    wu2, su2, zu2 = _int4_tile(W, S, Z, (rn2 + N_OUT).to(tl.int64), ok2, rg, g_ok, G, ZB, GS)
+                    wu2, su2, zu2 = int4_tile(W, S, Z, (rn2 + N_OUT).to(tl.int64), ok2, rg, g_ok, G, ZB, GS)
                     u = _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7) * r
                     wu, su, zu = wu2, su2, zu2
                 _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
@@ -328,7 +328,7 @@ if triton is not None:
                 ss = 0.0
                 for g0 in range(0, G, BLOCK_G):
                     g = g0 + rg
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g < G, K, GS)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = x8(xrow, g, g < G, K, GS)
                     ss += _sumsq8(x0, x1, x2, x3, x4, x5, x6, x7)
                 r = tl.rsqrt(ss / K + eps)
             for t in range(pid, n_tiles, P):
@@ -339,11 +339,11 @@ if triton is not None:
                 for g0 in range(0, G, BLOCK_G):
                     g = g0 + rg
                     g_ok = g < G
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _x8(xrow, g, g_ok, K, GS)
-                    w, s, z = _int4_tile(W, S, Z, rn.to(tl.int64), n_ok, g, g_ok, G, ZB, GS)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = x8(xrow, g, g_ok, K, GS)
+                    w, s, z = int4_tile(W, S, Z, rn.to(tl.int64), n_ok, g, g_ok, G, ZB, GS)
                     y += _int4_dot(w, s, z, x0, x1, x2, x3, x4, x5, x6, x7)
                     if GLU:
-                        wu, su, zu = _int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, g, g_ok, G, ZB, GS)
+                        wu, su, zu = int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, g, g_ok, G, ZB, GS)
                         u += _int4_dot(wu, su, zu, x0, x1, x2, x3, x4, x5, x6, x7)
                 _gemv_out(y * r, u * r, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS,
                           HAS_RES, GLU)

@@ -1,4 +1,5 @@
-"""Triton kernels for linear_int8 / linear_int4 (weights dequantized in registers).
+"""Triton kernels for linear_int4 (weights dequantized in registers); linear_int8 in
+quant_linear_int8.py, the building blocks both use in int_codes.py.
 
 Decode (M <= 16 rows) is bound by the weight bytes, so the GEMV kernels are built to stream them:
   * weights are read as int32 words (8 int4 codes or 4 int8 codes per load, 16-byte vectors per
@@ -31,6 +32,8 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, device_index, device_name, registered, sm_count
+from llmaccel.kernels.int_codes import (epilogue, epilogue_serial, finish, int4_tile, int4_words,
+                                        interleave8, out_buffer, packed_words, rows_of, x8)
 from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
     GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config)
 from llmaccel.ops import quant as ref
@@ -44,84 +47,19 @@ except ImportError:  # the reference paths work without triton
 
 if triton is not None:
     @triton.jit
-    def _nib(w, MASK: tl.constexpr, INV: tl.constexpr, z):
-        """The 4-bit field MASK of each word minus z (0.0, or the zero point broadcast to w) as an
-        exact fp32 integer (MASK below bit 20)."""
-        v = ((w & MASK) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + field, exactly
-        return tl.fma(v, INV, -8388608.0 * INV - z)  # exact: one rounding of an exact integer
-
-    @triton.jit
-    def _byte(w, MASK: tl.constexpr, FLIP: tl.constexpr, INV: tl.constexpr):
-        """The signed int8 field MASK of each word as an exact fp32 integer: the XOR flips the
-        sign bit (q + 128 >= 0) and sets the magic exponent in one op."""
-        v = ((w & MASK) ^ FLIP).to(tl.float32, bitcast=True)
-        return tl.fma(v, INV, -(8388608.0 * INV + 128.0))
-
-    @triton.jit
-    def _int4_words(w, z):
-        """The 8 codes of each int32 word (column 8j + i in nibble i) minus z, as fp32 (exact:
-        2^23 * 16^-i + z is an fp32 integer, so the FMA's addend is exact too)."""
-        wh = w >> 12  # nibbles 5..7 would reach the exponent bits in place
-        n0 = _nib(w, 0xF, 1.0, z)
-        n1 = _nib(w, 0xF0, 0.0625, z)
-        n2 = _nib(w, 0xF00, 0.00390625, z)
-        n3 = _nib(w, 0xF000, 0.000244140625, z)
-        n4 = _nib(w, 0xF0000, 0.0000152587890625, z)
-        n5 = _nib(wh, 0xF00, 0.00390625, z)
-        n6 = _nib(wh, 0xF000, 0.000244140625, z)
-        n7 = _nib(wh, 0xF0000, 0.0000152587890625, z)
-        return n0, n1, n2, n3, n4, n5, n6, n7
-
-    @triton.jit
-    def _interleave8(n0, n1, n2, n3, n4, n5, n6, n7):
-        """(..., W) x 8 -> (..., W, 2, 2, 2) with element [c, b, a] = n[4c + 2b + a]: flattening
-        the last three dims puts the 8 codes of a word in column order."""
-        return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                       tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-
-    @triton.jit
-    def _int4_tile(W, S, Z, rows, n_ok, g, g_ok, G, ZB, GS: tl.constexpr):
-        """Words (rows, groups, GS / 8), scales and zero points (rows, groups) of a tile of the
-        MatMulNBits layout (rows in the index type the caller's sizes need)."""
-        rw = tl.arange(0, GS // 8)
-        nm = n_ok[:, None] & g_ok[None, :]
-        w = tl.load(W + rows[:, None, None] * (G * (GS // 8)) + g[None, :, None] * (GS // 8)
-                    + rw[None, None, :], mask=nm[:, :, None], other=0)
-        s = tl.load(S + rows[:, None] * G + g[None, :], mask=nm, other=0.0).to(tl.float32)
-        zb = tl.load(Z + rows[:, None] * ZB + (g // 2)[None, :], mask=nm, other=0).to(tl.int32)
-        z = ((zb >> ((g % 2) * 4)[None, :]) & 0xF).to(tl.float32)
-        return w, s, z
-
-    @triton.jit
-    def _x8(xrow, g, g_ok, K, GS: tl.constexpr):
-        """x's columns of a tile's groups split by nibble: x_i holds column 8j + i (next to
-        nibble i of word j), (groups, GS / 8), fp32, zero past K."""
-        xk = g[:, None] * GS + 8 * tl.arange(0, GS // 8)[None, :]
-        xm = g_ok[:, None]
-        x0 = tl.load(xrow + xk, mask=xm & (xk < K), other=0.0).to(tl.float32)
-        x1 = tl.load(xrow + xk + 1, mask=xm & (xk + 1 < K), other=0.0).to(tl.float32)
-        x2 = tl.load(xrow + xk + 2, mask=xm & (xk + 2 < K), other=0.0).to(tl.float32)
-        x3 = tl.load(xrow + xk + 3, mask=xm & (xk + 3 < K), other=0.0).to(tl.float32)
-        x4 = tl.load(xrow + xk + 4, mask=xm & (xk + 4 < K), other=0.0).to(tl.float32)
-        x5 = tl.load(xrow + xk + 5, mask=xm & (xk + 5 < K), other=0.0).to(tl.float32)
-        x6 = tl.load(xrow + xk + 6, mask=xm & (xk + 6 < K), other=0.0).to(tl.float32)
-        x7 = tl.load(xrow + xk + 7, mask=xm & (xk + 7 < K), other=0.0).to(tl.float32)
-        return x0, x1, x2, x3, x4, x5, x6, x7
-
-    @triton.jit
     def _int4_gemv_step(acc, acc3, g0, x_ptr, w_ptr, s_ptr, z_ptr, K, G, ZB, stride_xm, rn, n_ok,
                         rg, rc, rm, GS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr, UNPACK: tl.constexpr):
         """One K step of _int4_gemv_kernel: groups g0 .. g0 + BLOCK_G of rows rn."""
         g = g0 + rg
         g_ok = g < G
-        w, s, z = _int4_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, g, g_ok, G, ZB, GS)
+        w, s, z = int4_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, g, g_ok, G, ZB, GS)
         if UNPACK == 2:
-            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, z[:, :, None])
+            n0, n1, n2, n3, n4, n5, n6, n7 = int4_words(w, z[:, :, None])
         else:
-            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, 0.0)
+            n0, n1, n2, n3, n4, n5, n6, n7 = int4_words(w, 0.0)
         if UNPACK == 0:
-            q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
+            q = tl.reshape(interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
         for m in tl.static_range(ROWS):
             if UNPACK == 0:
                 xk = g[:, None] * GS + rc[None, :]
@@ -133,7 +71,7 @@ if triton is not None:
                 d = tl.sum(q * xv[None, :, :], axis=2)
                 xs = tl.sum(xv, axis=1)
             else:  # x columns 8j + i read with stride 8 next to nibble i of word j
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_ptr + m * stride_xm, g, g_ok, K, GS)
+                x0, x1, x2, x3, x4, x5, x6, x7 = x8(x_ptr + m * stride_xm, g, g_ok, K, GS)
                 t = n0 * x0[None] + n1 * x1[None] + n2 * x2[None] + n3 * x3[None] \
                     + n4 * x4[None] + n5 * x5[None] + n6 * x6[None] + n7 * x7[None]
                 if UNPACK == 1:
@@ -183,44 +121,10 @@ if triton is not None:
         if UNPACK == 2:
             acc += tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
         if SERIAL:
-            _epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, ROWS, N, pid_n, pid_k,
+            epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, ROWS, N, pid_n, pid_k,
                              tl.num_programs(1), HAS_BIAS)
         else:
-            _epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
-
-    @triton.jit
-    def _epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, M, N, tile, pid_k, n_split,
-                         HAS_BIAS: tl.constexpr):
-        """Split-K in one launch (no memset, no cast kernel): every program stores its fp32
-        partial to ws[pid_k]; the last of a tile's programs to bump the tile's counter sums the
-        partials, adds the bias, writes x's dtype and re-zeroes the counter for the next call.
-        The barrier + acq_rel atomic order all threads' partial stores before the count and the
-        final loads (L2 only: .cg) after it."""
-        om = (rm < M)[:, None] & (rn < N)[None, :]
-        off = rm[:, None] * N + rn[None, :]
-        tl.store(ws_ptr + pid_k * M * N + off, acc, mask=om)
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == n_split - 1:
-            tot = tl.zeros_like(acc)
-            for k in range(0, n_split):
-                tot += tl.load(ws_ptr + k * M * N + off, mask=om, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + off, tot.to(out_ptr.dtype.element_ty), mask=om)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-
-    @triton.jit
-    def _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
-        n_ok = rn < N
-        o = out_ptr + rm[:, None] * N + rn[None, :]
-        om = (rm < M)[:, None] & n_ok[None, :]
-        if ATOMIC:  # fp32 partials; the wrapper adds the bias and casts
-            tl.atomic_add(o, acc, mask=om)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=om)
+            epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
 
     @triton.jit
     def _int4_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, ZB, GPS, stride_xm,
@@ -238,9 +142,9 @@ if triton is not None:
         for g0 in range(g_lo, g_lo + GPS, BLOCK_G):
             g = g0 + rg
             g_ok = g < G
-            w, s, z = _int4_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, g, g_ok, G, ZB, GS)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _int4_words(w, 0.0)
-            q = tl.reshape(_interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
+            w, s, z = int4_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, g, g_ok, G, ZB, GS)
+            n0, n1, n2, n3, n4, n5, n6, n7 = int4_words(w, 0.0)
+            q = tl.reshape(interleave8(n0, n1, n2, n3, n4, n5, n6, n7), (BLOCK_N, BLOCK_G, GS))
             # rounded to x's dtype as the reference's dequantize_int4 does
             wd = tl.reshape(tl.fma(q, s[:, :, None], -(z * s)[:, :, None]), (BLOCK_N, BLOCK_G * GS))
             k = g0 * GS + rk
@@ -252,7 +156,7 @@ if triton is not None:
                 acc += tl.dot(xv, tl.trans(wd), input_precision="ieee")
             else:
                 acc += tl.dot(xv, tl.trans(wd))
-        _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
+        epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
 
     @triton.jit
     def _int4_bf16_pairs(w, offz):
@@ -338,80 +242,10 @@ if triton is not None:
                                 (BLOCK_M, GS))
             acc += s[None, :] * tl.dot(xv, tl.trans(q))
         if SERIAL:
-            _epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, M, N,
+            epilogue_serial(acc, ws_ptr, cnt_ptr, b_ptr, out_ptr, rm, rn, M, N,
                              pid_m * tl.num_programs(1) + pid_n, pid_k, tl.num_programs(2), HAS_BIAS)
         else:
-            _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
-
-    @triton.jit
-    def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, KW, WPS, stride_xm,
-                          ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, UNPACK: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        rw = tl.arange(0, BLOCK_W)
-        rk = tl.arange(0, BLOCK_W * 4)
-        rm = tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_lo = pid_k * WPS
-        for w0 in range(w_lo, w_lo + WPS, BLOCK_W):
-            wi = w0 + rw
-            w = tl.load(w_ptr + rn[:, None] * KW + wi[None, :], mask=n_ok[:, None] & (wi < KW)[None, :],
-                        other=0)
-            wh = w >> 16  # bytes 2, 3 would reach the exponent bits in place
-            b0 = _byte(w, 0xFF, 0x4B000080, 1.0)
-            b1 = _byte(w, 0xFF00, 0x4B008000, 0.00390625)
-            b2 = _byte(wh, 0xFF, 0x4B000080, 1.0)
-            b3 = _byte(wh, 0xFF00, 0x4B008000, 0.00390625)
-            if UNPACK == 0:
-                q = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_W * 4))
-            for m in tl.static_range(ROWS):
-                if UNPACK == 0:
-                    k = w0 * 4 + rk
-                    km = (k < KW * 4) if EVEN_K else (k < K)
-                    xv = tl.load(x_ptr + m * stride_xm + k, mask=km, other=0.0).to(tl.float32)
-                    part = tl.sum(q * xv[None, :], axis=1)
-                else:
-                    k = wi * 4
-                    xp = x_ptr + m * stride_xm + k
-                    x0 = tl.load(xp, mask=k < K, other=0.0).to(tl.float32)
-                    x1 = tl.load(xp + 1, mask=k + 1 < K, other=0.0).to(tl.float32)
-                    x2 = tl.load(xp + 2, mask=k + 2 < K, other=0.0).to(tl.float32)
-                    x3 = tl.load(xp + 3, mask=k + 3 < K, other=0.0).to(tl.float32)
-                    part = tl.sum(b0 * x0[None, :] + b1 * x1[None, :] + b2 * x2[None, :]
-                                  + b3 * x3[None, :], axis=1)
-                if ROWS == 1:
-                    acc += part[None, :]
-                else:
-                    acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
-        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        _epilogue(acc, b_ptr, out_ptr, rm, rn, ROWS, N, HAS_BIAS, ATOMIC)
-
-    @triton.jit
-    def _int8_dot_kernel(x_ptr, qw_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        n_ok, m_ok = rn < N, rm < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :],
-                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            w = tl.load(qw_ptr + rn[:, None] * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :],
-                        other=0).to(x.dtype)  # |q| <= 127: exact in fp16/bf16
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        _epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, False)
-
+            epilogue(acc, b_ptr, out_ptr, rm, rn, M, N, HAS_BIAS, ATOMIC)
 
 # --- launch configuration: tables and heuristics in quant_linear_configs.py ------------------------
 
@@ -447,33 +281,6 @@ def _asm_works(index: int) -> bool:
 
 # --- wrappers ------------------------------------------------------------------------------------
 
-def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
-    x2 = x.reshape(-1, K)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _out(M, N, x, split):
-    if split > 1:  # atomics need a zeroed fp32 buffer
-        return torch.zeros(M, N, device=x.device, dtype=torch.float32)
-    return torch.empty(M, N, device=x.device, dtype=x.dtype)
-
-
-def _finish(out, x, bias, split):
-    if split > 1:
-        out = out.to(x.dtype)
-        if bias is not None:
-            out += bias.to(x.dtype)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def packed_words(q: torch.Tensor) -> torch.Tensor:
-    """The codes as int32 words (N, bytes / 4), a view of the same storage."""
-    w = q.reshape(q.shape[0], -1)
-    if not w.is_contiguous() or w.data_ptr() % 16:  # a fresh copy is aligned (slow path)
-        w = w.clone(memory_format=torch.contiguous_format)
-    return w.view(torch.int32)
-
-
 def linear_int4_triton(x, qweight, scales, zeros, bias=None, *, group_size: int, config=None):
     """Triton linear_int4; `config` overrides the tile choice (benchmarks, tests)."""
     N, G, half = qweight.shape
@@ -481,7 +288,7 @@ def linear_int4_triton(x, qweight, scales, zeros, bias=None, *, group_size: int,
     if 2 * half != group_size or group_size % 8 or K > G * group_size or scales.shape != (N, G):
         raise ValueError(f"linear_int4: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
                          f"group_size {group_size} and in_features {K} disagree")
-    x2 = _rows(x, K)
+    x2 = rows_of(x, K)
     M = x2.shape[0]
     if M == 0:
         return ref.linear_int4(x, qweight, scales, zeros, bias, group_size=group_size)
@@ -503,7 +310,7 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
     tiles = cdiv(N, cfg["BLOCK_N"]) * (1 if kernel == "gemv" else cdiv(M, cfg["BLOCK_M"]))
     ws = _split_workspace(x.device, split * M * N, tiles) if serial else None
     serial = ws is not None
-    out = _out(M, N, x, 1 if serial else split)
+    out = out_buffer(M, N, x, 1 if serial else split)
     has_bias = bias is not None and (split == 1 or serial)
     args = (x2, packed_words(qweight), scales.contiguous(), zeros.contiguous(), bias if has_bias else out, out)
     flags = dict(GS=group_size, EVEN_K=K == G * group_size, HAS_BIAS=has_bias,
@@ -530,7 +337,7 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
         grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), split)
         _int4_dot_kernel[grid](*args, M, N, K, G, zeros.shape[1], gps, x2.stride(0),
                                IEEE=x.dtype == torch.float32, **flags, **cfg)
-    return _finish(out, x, bias, 1 if serial else split)
+    return finish(out, x, bias, 1 if serial else split)
 
 
 _WORKSPACES: dict = {}
@@ -553,42 +360,6 @@ def _split_workspace(device, n_partial: int, n_tiles: int):
     return hit
 
 
-def linear_int8_triton(x, qweight, scales, bias=None, *, config=None):
-    N, K = qweight.shape
-    if x.shape[-1] != K or scales.shape != (N,):
-        raise ValueError(f"linear_int8: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
-                         f"and in_features {x.shape[-1]} disagree")
-    x2 = _rows(x, K)
-    M = x2.shape[0]
-    if M == 0:
-        return ref.linear_int8(x, qweight, scales, bias)
-    cfg = dict(config) if config is not None else int8_config(M, N, K, sm_count(x.device),
-                                                              device_name(x.device))
-    kernel = cfg.pop("kernel", "gemv")
-    if kernel == "gemv" and (M > GEMV_MAX_M or K % 4):
-        kernel, cfg = "dot", {k: v for k, v in int8_config(max(M, GEMV_MAX_M + 1), N, K, sm_count(x.device)).items()
-                              if k != "kernel"}
-    split = cfg.pop("SPLIT_K", 1) if kernel == "gemv" else 1
-    scales = scales.contiguous()
-    if kernel == "gemv":
-        kw = K // 4
-        wps = cdiv(cdiv(kw, split), cfg["BLOCK_W"]) * cfg["BLOCK_W"]  # words per split
-        split = cdiv(kw, wps)
-        out = _out(M, N, x, split)
-        has_bias = bias is not None and split == 1
-        _int8_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), split)](
-            x2, packed_words(qweight), scales, bias if has_bias else out, out, N, K, kw, wps, x2.stride(0),
-            ROWS=M, BLOCK_M=_pow2(M), EVEN_K=True, HAS_BIAS=has_bias, ATOMIC=split > 1, **cfg)
-    else:
-        cfg.pop("UNPACK", None)
-        out = _out(M, N, x, 1)
-        has_bias = bias is not None
-        grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]))
-        _int8_dot_kernel[grid](x2, qweight.contiguous(), scales, bias if has_bias else out, out, M, N, K,
-                               x2.stride(0), IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias, **cfg)
-    return _finish(out, x, bias, split)
-
-
 # --- custom ops: CPU = reference, CUDA = Triton ---------------------------------------------------
 
 
@@ -596,30 +367,6 @@ def _linear_int4_cuda(x, qweight, scales, zeros, bias=None, group_size=128):
     if triton is None:
         return ref.linear_int4(x, qweight, scales, zeros, bias, group_size=group_size)
     return linear_int4_triton(x, qweight, scales, zeros, bias, group_size=group_size)
-
-
-def _linear_int8_cuda(x, qweight, scales, bias=None):
-    if triton is None:
-        return ref.linear_int8(x, qweight, scales, bias)
-    return linear_int8_triton(x, qweight, scales, bias)
-
-
-def linear_int8_cpu(x, qweight, scales, bias=None):
-    # aten's int8 weight-only GEMM reads the int8 codes directly: about 1.8x bf16 F.linear at
-    # batch 1 on a 2-core CPU, where the reference dequantizes the whole weight on every call
-    # (4x slower than bf16). Products are summed in fp32 and scaled once per row, so it
-    # matches the reference up to fp32 rounding (and the reference's rounding of the
-    # dequantized weight to x's dtype).
-    # Its bf16 path crashes for 4+ rows when in_features is not a multiple of 8 (torch 2.13):
-    # such layers (none in the supported models) take the reference.
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or qweight.dtype != torch.int8 \
-            or x.shape[-1] % 8:
-        return ref.linear_int8(x, qweight, scales, bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qweight.contiguous(), scales.to(x.dtype))
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], qweight.shape[0])
 
 
 if not registered("linear_int4"):
@@ -633,20 +380,6 @@ if not registered("linear_int4"):
     @linear_int4.register_fake
     def _linear_int4_fake(x, qweight, scales, zeros, bias=None, group_size=128):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
-
-if not registered("linear_int8"):
-    @torch.library.custom_op("llmaccel::linear_int8", mutates_args=())
-    def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return ref.linear_int8(x, qweight, scales, bias)
-
-    linear_int8.register_kernel("cuda")(_linear_int8_cuda)
-    linear_int8.register_kernel("cpu")(linear_int8_cpu)
-
-    @linear_int8.register_fake
-    def _linear_int8_fake(x, qweight, scales, bias=None):
-        return x.new_empty(*x.shape[:-1], qweight.shape[0])
-
 
 def prepare_int4_cpu(qweight, scales, zeros, group_size: int):
     """(packed, scales_and_zeros) for aten's CPU int4 GEMM, or None where it does not apply.
@@ -682,5 +415,4 @@ def linear_int4_cpu(x, packed, scales_and_zeros, bias=None, *, group_size: int):
 # The lowering calls these forms directly on the CPU (traced into the compiled step; see
 # llmaccel/codegen/lower.py), not through the custom ops: {op: (prepare, fn)}, where prepare
 # (if any) converts the op's stored weights once, at lowering, into what fn reads.
-CPU_FORMS = {"linear_int8": (None, linear_int8_cpu),
-             "linear_int4": (prepare_int4_cpu, linear_int4_cpu)}
+CPU_FORMS = {"linear_int4": (prepare_int4_cpu, linear_int4_cpu)}

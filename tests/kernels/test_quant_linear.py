@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 from llmaccel.ops import quant as qo  # noqa: E402
 
 ql_mod = pytest.importorskip("llmaccel.kernels.quant_linear")
+q8_mod = pytest.importorskip("llmaccel.kernels.quant_linear_int8")
 INTERPRETED = ql_mod.triton is not None and \
     type(ql_mod._int4_gemv_kernel).__name__ == "InterpretedFunction"
 
@@ -29,6 +30,11 @@ def ql():
     if not INTERPRETED:
         pytest.skip("triton missing, or kernels imported without TRITON_INTERPRET=1")
     return ql_mod
+
+
+@pytest.fixture(scope="module")
+def k8(ql):
+    return q8_mod
 
 
 def int4_weights(N, K, gs, dtype=torch.float32, device="cpu"):
@@ -125,18 +131,18 @@ INT8_CFGS = [dict(GEMV8, UNPACK=0), dict(GEMV8, UNPACK=1), dict(GEMV8, UNPACK=1,
 @pytest.mark.parametrize("i", range(len(INT8_CFGS)))
 @pytest.mark.parametrize("M,K,dtype", [(1, 200, torch.float32), (3, 128, torch.float16),
                                        (16, 72, torch.float32)])
-def test_int8_interpreter(ql, M, K, dtype, i):
+def test_int8_interpreter(k8, M, K, dtype, i):
     q8, s8 = int8_weights(37, K, dtype)
     x, b = torch.randn(M, K).to(dtype), torch.randn(37).to(dtype)
-    out = ql.linear_int8_triton(x, q8, s8, b, config=INT8_CFGS[i])
+    out = k8.linear_int8_triton(x, q8, s8, b, config=INT8_CFGS[i])
     assert out.dtype == dtype and out.shape == (M, 37)
     close(out, qo.linear_int8(x.float(), q8, s8.float(), b.float()), dtype)
 
 
-def test_int8_k_not_multiple_of_4_falls_back_to_dot(ql):
+def test_int8_k_not_multiple_of_4_falls_back_to_dot(k8):
     q8, s8 = int8_weights(9, 70)
     x = torch.randn(2, 70)
-    close(ql.linear_int8_triton(x, q8, s8, config=GEMV8), qo.linear_int8(x, q8, s8), torch.float32)
+    close(k8.linear_int8_triton(x, q8, s8, config=GEMV8), qo.linear_int8(x, q8, s8), torch.float32)
 
 
 def test_custom_ops_on_cpu_match_the_reference(ql):
