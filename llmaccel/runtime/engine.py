@@ -14,24 +14,17 @@ from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import MAX_STEPS, DecodeRunner
 from llmaccel.runtime.detokenize import IncrementalDetokenizer, find_stop
-from llmaccel.runtime.graph import layerskip_draft, runtime_graph
+from llmaccel.runtime.graph import runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
 from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
                                          pool_sizes as kivi_pool_sizes)
 from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
-from llmaccel.runtime.speculative import ModelDraft, NgramDraft, verify
+from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source, verify
 from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                sample_mode, sample_rows, token_logprobs)
 
-# speculative="self" picks this draft derived from the target (docs/runtime.md: measured
-# acceptance x cost). "self:int8" / "self:int4": the target's weights quantized by the `quant`
-# pass (RTN, no calibration), with its own KV cache; "self:N": the target's first N layers
-# and its LM head (LayerSkip style), sharing the target's KV cache.
-SELF_DEFAULT = "int8"
-QUANT_DRAFTS = {"int8": {"bits": 8, "method": "rtn"},
-                "int4": {"bits": 4, "method": "rtn", "group_size": 128}}
 CPU_CACHE_BYTES = 512 << 20
 
 
@@ -43,16 +36,6 @@ def _kind(x) -> str:
 def _lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
     """token_logprobs' tensors as per-row (logprob, [(id, logprob)]) on the host."""
     return logprob_pairs(lp.tolist(), *(() if top is None else (top[0].tolist(), top[1].tolist())))
-
-
-def parse_self(spec: str, n_layers: int) -> str | int:
-    kind = spec.partition(":")[2] or SELF_DEFAULT
-    if kind in QUANT_DRAFTS:
-        return kind
-    if kind.isdigit() and 1 <= int(kind) < n_layers:
-        return int(kind)
-    raise LlmaccelError(f"unknown self draft {spec!r}; use self, self:int8, self:int4 or "
-                        f"self:N with N in 1..{n_layers - 1} (the target's first N layers)")
 
 
 class LLM:
@@ -95,7 +78,8 @@ class LLM:
             raise LlmaccelError("the paged runtime has no recurrent-state cache for linear attention (sla); "
                                 "run this graph with the reference executor (Model.generate_ids / llmc eval)")
         self.k_max = max(1, num_speculative_tokens)
-        draft_model, draft_layers_map = self._draft_source(speculative, draft_layers, layers)
+        draft_model, draft_layers_map, self.self_kind = draft_source(
+            self.model, speculative, draft_layers, dtype=self.dtype, device=self.device)
         bpt = PagedKVCache.bytes_per_token(layers, self.dtype)
         if draft_layers_map:
             bpt += PagedKVCache.bytes_per_token(draft_layers_map, self.dtype)
@@ -138,28 +122,6 @@ class LLM:
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, spec_proposed=0,
                           spec_accepted=0, spec_verifies=0, spec_emitted=0, kv_blocks_peak=0,
                           requests_failed=0, decode_steps=0)
-
-    def _draft_source(self, speculative, draft_layers, layers):
-        """(draft graph or model, its own attention layers or None when it shares the cache)."""
-        if speculative is None or speculative == "ngram":
-            return None, None
-        if speculative == "self" and draft_layers:
-            speculative = f"self:{draft_layers}"
-        if speculative.startswith("self"):
-            kind = parse_self(speculative, self.cfg.n_layers)
-            self.self_kind = kind
-            if isinstance(kind, int):
-                return layerskip_draft(self.model.gm, self.cfg, kind), None
-            from llmaccel.compiler.pipeline import compile
-
-            d = compile(self.model.source, ["quant"], {"quant": dict(QUANT_DRAFTS[kind])},
-                        eval_tokens=0, progress=False, dtype=self.dtype, device=self.device)
-            return d, attention_layers(d.gm)
-        d = load(speculative, dtype=self.dtype, device=self.device)
-        if d.config.vocab_size != self.cfg.vocab_size:
-            raise LlmaccelError(f"draft {speculative} has a vocabulary of {d.config.vocab_size}; "
-                                f"the target's is {self.cfg.vocab_size}")
-        return d, attention_layers(d.gm)
 
     def _kivi_cache(self, layers, speculative, tokens, max_seqs, max_batched, fraction):
         """The packed KIVI cache (kivi_cache.py): blocks of one key group, no prefix caching.

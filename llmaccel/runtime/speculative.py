@@ -15,8 +15,54 @@ from __future__ import annotations
 
 import torch
 
+from llmaccel.compiler.model import load
+from llmaccel.errors import LlmaccelError
+from llmaccel.ir import attention_layers
+from llmaccel.runtime.graph import layerskip_draft
 from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.sampling import filtered_probs
+
+# speculative="self" picks this draft derived from the target (docs/runtime.md: measured
+# acceptance x cost). "self:int8" / "self:int4": the target's weights quantized by the `quant`
+# pass (RTN, no calibration), with its own KV cache; "self:N": the target's first N layers
+# and its LM head (LayerSkip style), sharing the target's KV cache.
+SELF_DEFAULT = "int8"
+QUANT_DRAFTS = {"int8": {"bits": 8, "method": "rtn"},
+                "int4": {"bits": 4, "method": "rtn", "group_size": 128}}
+
+
+def parse_self(spec: str, n_layers: int) -> str | int:
+    kind = spec.partition(":")[2] or SELF_DEFAULT
+    if kind in QUANT_DRAFTS:
+        return kind
+    if kind.isdigit() and 1 <= int(kind) < n_layers:
+        return int(kind)
+    raise LlmaccelError(f"unknown self draft {spec!r}; use self, self:int8, self:int4 or "
+                        f"self:N with N in 1..{n_layers - 1} (the target's first N layers)")
+
+
+def draft_source(model, speculative: str | None, draft_layers: int | None, *, dtype, device):
+    """(draft graph or model, its own attention layers or None when it shares the target's
+    cache, the self-draft kind or None) for LLM's speculative= argument."""
+    if speculative is None or speculative == "ngram":
+        return None, None, None
+    if speculative == "self" and draft_layers:
+        speculative = f"self:{draft_layers}"
+    cfg = model.config
+    if speculative.startswith("self"):
+        kind = parse_self(speculative, cfg.n_layers)
+        if isinstance(kind, int):
+            return layerskip_draft(model.gm, cfg, kind), None, kind
+        from llmaccel.compiler.pipeline import compile
+
+        d = compile(model.source, ["quant"], {"quant": dict(QUANT_DRAFTS[kind])},
+                    eval_tokens=0, progress=False, dtype=dtype, device=device)
+        return d, attention_layers(d.gm), kind
+    d = load(speculative, dtype=dtype, device=device)
+    if d.config.vocab_size != cfg.vocab_size:
+        raise LlmaccelError(f"draft {speculative} has a vocabulary of {d.config.vocab_size}; "
+                            f"the target's is {cfg.vocab_size}")
+    return d, attention_layers(d.gm), None
 
 
 def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor | None, params,
