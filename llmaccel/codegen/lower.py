@@ -17,8 +17,6 @@ from __future__ import annotations
 import functools
 import importlib
 import operator
-import pkgutil
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -26,32 +24,10 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.ir import set_weight, weight_of
-from llmaccel.ops import quant as qops
 from llmaccel.ops.rope import rope_inv_freq
 from llmaccel.ops.table import OPS, spec_of
-
-@functools.cache
-def load_kernel_modules() -> dict[str, str]:
-    """Import every module of llmaccel.kernels once, so their custom ops are registered.
-
-    Returns {module: "ok" | error}; a module that fails to import only loses its ops.
-    """
-    loaded: dict[str, str] = {}
-    try:
-        import llmaccel.kernels as pkg
-    except ImportError:
-        return loaded
-    for info in pkgutil.iter_modules(pkg.__path__):
-        name = f"llmaccel.kernels.{info.name}"
-        try:
-            importlib.import_module(name)
-            loaded[info.name] = "ok"
-        except Exception as e:  # e.g. a Triton build that lacks a feature: keep the reference
-            loaded[info.name] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"llmaccel: kernel module {name} failed to import ({e}); "
-                          f"its ops stay on the reference path")
-    return loaded
-
+from llmaccel.codegen.kernel_ops import accepts, custom_op, load_kernel_modules, retarget
+from llmaccel.codegen.gemv_rewrites import gemv_rewrites, int4_gemv_weights
 
 def ir_op_name(node: torch.fx.Node) -> str | None:
     spec = spec_of(node.target) if node.op == "call_function" else None
@@ -84,7 +60,7 @@ def _to_cpu_form(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
     """
     prepare, fn = form
     if prepare is None:
-        _retarget(node, fn)
+        retarget(node, fn)
         return True
     stored = node.args[1:4]
     if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored):
@@ -103,38 +79,11 @@ def _to_cpu_form(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
             attrs.append(new.graph.get_attr(f"_cpu{i}.w{j}"))
     bias = node.args[4] if len(node.args) > 4 else None
     node.args = (node.args[0], *attrs, bias)
-    _retarget(node, fn)
+    retarget(node, fn)
     for a in stored:  # the stored form stays on the model; this graph no longer reads it
         if not a.users:
             new.graph.erase_node(a)
     return True
-
-
-def custom_op(namespace: str, name: str):
-    ns = getattr(torch.ops, namespace)
-    return getattr(ns, name) if hasattr(ns, name) else None
-
-
-def _plain(v) -> bool:
-    if isinstance(v, (list, tuple)):
-        return all(_plain(x) for x in v)
-    return v is None or isinstance(v, (torch.fx.Node, bool, int, float, str, torch.dtype))
-
-
-def accepts(op, node: torch.fx.Node) -> bool:
-    """Whether custom op `op` can be called with the node's args and kwargs as they are."""
-    schema = op.default._schema
-    args = list(schema.arguments)
-    positional = [a for a in args if not a.kwarg_only]
-    if len(node.args) > len(positional):
-        return False
-    by_position = {a.name for a in positional[: len(node.args)]}
-    if not set(node.kwargs) <= {a.name for a in args} - by_position:
-        return False
-    given = by_position | set(node.kwargs)
-    if any(a.name not in given and not a.has_default_value() for a in args):
-        return False
-    return all(_plain(v) for v in (*node.args, *node.kwargs.values()))
 
 
 def rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *,
@@ -231,157 +180,11 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         return False
     node.args = (x, *node.args[1:])
     node.kwargs = {**node.kwargs, "eps": eps}
-    _retarget(node, linear_rows_rms)
+    retarget(node, linear_rows_rms)
     graph.erase_node(src)
     if fused is not None:
         graph.erase_node(fused)
     return True
-
-
-def _gemv_op():
-    return custom_op("llmaccel", "gemv")
-
-
-def _gemv_targets() -> dict:
-    """{fused GEMV op: position of its residual argument}."""
-    out = {}
-    for name, pos in (("gemv", 3), ("gemv_int4", 5)):
-        op = custom_op("llmaccel", name)
-        if op is not None:
-            out[op.default] = pos
-    return out
-
-
-def _int4_gemv_weights(node: torch.fx.Node) -> bool:
-    """Whether a linear_int4 node (IR op or its custom op) reads stored weights that
-    llmaccel::gemv_int4 takes (a power-of-two group size of at least 8)."""
-    lin = custom_op("llmaccel", "linear_int4")
-    if node.op != "call_function" or not (node.target is qops.linear_int4 or
-                                          (lin is not None and node.target in (lin, lin.default))):
-        return False
-    if len(node.args) > 5 or set(node.kwargs) - {"group_size"}:
-        return False  # (x, qweight, scales, zeros, bias) by position, as `quant` writes them
-    gs = node.kwargs.get("group_size", 128)
-    return isinstance(gs, int) and gs >= 8 and not gs & (gs - 1) and \
-        all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1:4])
-
-
-def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _glu_into_gemv(graph: torch.fx.Graph, g: torch.fx.Node) -> bool:
-    """gemv -> split in two halves -> silu_mul(first, second): the gemv computes the product
-    (glu=True) and replaces silu_mul; whether it did."""
-    split = _single_user(g)
-    if split is None or split.op != "call_method" or split.target != "split" or \
-            split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None) != -1:
-        return False
-    sizes = split.args[1]
-    if not isinstance(sizes, (list, tuple)) or len(sizes) != 2 or sizes[0] != sizes[1]:
-        return False
-    if len(split.users) != 2 or any(u.target is not operator.getitem for u in split.users):
-        return False
-    parts = {u.args[1]: u for u in split.users if isinstance(u.args[1], int)}
-    if set(parts) != {0, 1}:
-        return False
-    act = _single_user(parts[0])
-    if act is None or act.target is not ops.silu_mul or act.args != (parts[0], parts[1]) or \
-            len(parts[1].users) != 1:
-        return False
-    g.kwargs = {**g.kwargs, "glu": True}
-    act.replace_all_uses_with(g)
-    for n in (act, parts[0], parts[1], split):
-        graph.erase_node(n)
-    return True
-
-
-def _residual_into_gemv(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
-    """add_rms_norm(a, b) (weightless) where a or b is a gemv read by nothing else: the gemv adds
-    the other operand (its residual), and the norm reads the gemv; whether it did."""
-    a, b, weight = node.args[:3]
-    targets = _gemv_targets()
-    if weight is not None or any(u.target is not operator.getitem for u in node.users):
-        return False
-    for g, res in ((b, a), (a, b)):
-        if isinstance(g, torch.fx.Node) and g.target in targets and len(g.users) == 1 \
-                and len(g.args) <= targets[g.target] and "residual" not in g.kwargs \
-                and not g.kwargs.get("glu"):
-            break
-    else:
-        return False
-    if isinstance(res, torch.fx.Node):  # the gemv will read res: it must come first
-        n = res.next
-        while n is not g and n.op != "output":
-            n = n.next
-        if n is not g:
-            return False
-    g.kwargs = {**g.kwargs, "residual": res}
-    normed = [u for u in node.users if u.args[1] == 0]
-    for u in [u for u in node.users if u.args[1] == 1]:  # the new residual stream
-        u.replace_all_uses_with(g)
-        graph.erase_node(u)
-    if normed:
-        with graph.inserting_after(node):
-            norm = graph.call_function(ops.rms_norm, (g, None), {"eps": node.kwargs["eps"]})
-        for u in normed:
-            u.replace_all_uses_with(norm)
-            graph.erase_node(u)
-    graph.erase_node(node)
-    return True
-
-
-def _norm_into_gemv(graph: torch.fx.Graph, norm: torch.fx.Node) -> bool:
-    """A weightless rms_norm read only by gemvs without a prologue: each computes the norm
-    itself (eps) from the norm's input; whether they did."""
-    if norm.args[1] is not None or not norm.users:
-        return False
-    targets = _gemv_targets()
-    if not all(u.target in targets and u.args[0] is norm and norm not in u.args[1:]
-               and norm not in u.kwargs.values() and "eps" not in u.kwargs for u in norm.users):
-        return False
-    for u in list(norm.users):
-        u.args = (norm.args[0], *u.args[1:])
-        u.kwargs = {**u.kwargs, "eps": norm.kwargs["eps"]}
-    graph.erase_node(norm)
-    return True
-
-
-def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Linears with stored floating-point weights become llmaccel::gemv, and linear_int4 with
-    stored weights llmaccel::gemv_int4, with their neighbours inside: silu_mul after a gate/up
-    GEMV, the residual add after an o / down GEMV, the weightless RMSNorm before a GEMV.
-    Returns counts {gemv (all GEMVs), int4 (of which gemv_int4), glu, residual, norm}."""
-    if _gemv_op() is None:
-        load_kernel_modules()  # registers llmaccel::gemv and gemv_int4
-    counts = dict.fromkeys(("gemv", "int4", "glu", "residual", "norm"), 0)
-    targets = _gemv_targets()
-    if not targets:
-        return counts
-    op, op4 = _gemv_op(), custom_op("llmaccel", "gemv_int4")
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is ops.linear:
-            w = node.args[1]
-            w = weight_of(gm, w) if isinstance(w, torch.fx.Node) and w.op == "get_attr" else None
-            if w is not None and w.dim() == 2 and w.is_floating_point():
-                _retarget(node, op.default)
-                counts["gemv"] += 1
-        elif op4 is not None and _int4_gemv_weights(node):
-            node.kwargs = {"group_size": node.kwargs.get("group_size", 128)}
-            _retarget(node, op4.default)
-            counts["gemv"] += 1
-            counts["int4"] += 1
-    for node in list(graph.nodes):
-        if node.target in targets and _glu_into_gemv(graph, node):
-            counts["glu"] += 1
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is ops.add_rms_norm and _residual_into_gemv(graph, node):
-            counts["residual"] += 1
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is ops.rms_norm and _norm_into_gemv(graph, node):
-            counts["norm"] += 1
-    return counts
 
 
 # The rewrites between the IR and what runs, in order (`llmc passes --all` lists them). The first
@@ -410,13 +213,6 @@ class LowerReport:
     gemv: dict[str, int] = field(default_factory=dict)  # linear="gemv": gemv_rewrites' counts
     kernel_modules: dict[str, str] = field(default_factory=dict)
     cpu_traced: dict[str, int] = field(default_factory=dict)  # op -> nodes on a traced CPU form
-
-
-def _retarget(node: torch.fx.Node, target) -> None:
-    node.target = target
-    # A node traced from an fx.wrap'ed op carries is_wrapped, which makes the generated code
-    # re-register its target's name with fx.wrap; for a new target that name breaks later traces.
-    node.meta.pop("is_wrapped", None)
 
 
 def _wanted(name: str, select) -> bool:
@@ -473,7 +269,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
                 c = new.graph.get_attr(tables[key][0])
                 s = new.graph.get_attr(tables[key][1])
             x, positions = node.args[:2]
-            _retarget(node, rope_table)
+            retarget(node, rope_table)
             node.args = (x, c, s, positions)
             node.kwargs = {"head_dim": node.kwargs["head_dim"]}
             rep.rope += 1
@@ -485,7 +281,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
         # they are (their CPU implementation is the reference)
         form = cpu_forms().get(name) if device.type == "cpu" and not (
-            linear == "gemv" and _int4_gemv_weights(node)) else None
+            linear == "gemv" and int4_gemv_weights(node)) else None
         if form is not None and _to_cpu_form(new, node, form, rep, prepared):
             rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
             continue
@@ -495,7 +291,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         if not accepts(op, node):
             rep.rejected[name] = f"schema {op.default._schema} does not take the IR node's arguments"
             continue
-        _retarget(node, op)
+        retarget(node, op)
         rep.custom[name] = rep.custom.get(name, 0) + 1
     if linear == "rows":
         for node in list(new.graph.nodes):
@@ -503,7 +299,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
                 is_linear = node.target is ops.linear
                 if not is_linear and _weights(new, node) > ROWS_MAX_WEIGHTS:
                     continue  # a large LM head reads faster through cuBLAS (H200: ~2x)
-                _retarget(node, linear_rows)
+                retarget(node, linear_rows)
                 rep.linear_rows += 1
                 if is_linear and _norm_into_rows(new, node):
                     rep.norm_into_rows += 1

@@ -14,7 +14,8 @@ import operator
 import torch
 
 from llmaccel import ops
-from llmaccel.codegen.lower import _retarget, rope_table
+from llmaccel.codegen.kernel_ops import retarget
+from llmaccel.codegen.lower import rope_table
 
 
 def _unfused(q, k, v, rope, *, n_heads: int, n_kv_heads: int, head_dim: int):
@@ -88,7 +89,7 @@ def fuse_rope(gm: torch.fx.GraphModule) -> int:
         split = _split_parts(q, k, v, [kw["n_heads"] * D, kw["n_kv_heads"] * D, kw["n_kv_heads"] * D])
         if split is not None:
             q, k, v = split.args[0], None, None
-        _retarget(node, attention_rope)
+        retarget(node, attention_rope)
         node.args = (q, k, v, node.args[3], cos, sin, positions)
         tables = rk.args[1:3]  # the second rotation's own reads of the tables
         for r in (rq, rk):

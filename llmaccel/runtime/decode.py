@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from llmaccel.kernels.paged_rope import slots_of  # also registers llmaccel::paged_rope_decode_attention
-from llmaccel.codegen.lower import load_kernel_modules, lower
+from llmaccel.codegen.kernel_ops import load_kernel_modules
+from llmaccel.codegen.lower import lower
 from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
 from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
