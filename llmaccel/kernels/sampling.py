@@ -7,9 +7,10 @@ ulps of a token's boundary):
 
 1. one pass: the argmax (greedy rows stop here), the max m of x = logits / temperature and
    Z = sum exp(x - m) (online);
-2. rows with 0 < top_k < V: the k-th largest e = exp(x - m) by bisection on its bit pattern
-   (non-negative floats order as their int32 bits), 30 counting passes; Zk = the mass of
-   {e >= that value} (Z without top-k);
+2. rows with 0 < top_k < V: the k-th largest e = exp(x - m) by a radix select on its bit
+   pattern (non-negative floats order as their int32 bits): four passes, each a histogram of
+   the next byte among the keys that share the bytes found so far (the reference bisects the
+   same value); Zk = the mass of {e >= that value} (Z without top-k);
 3. rejection rounds (FlashInfer's sorting-free top-p): draw j by inverting the CDF of the
    support in vocabulary order (the pass stops at the crossing); accept when the mass of the
    tokens above e_j is below top_p * Zk (j is in the nucleus), else the support becomes
@@ -19,7 +20,7 @@ ulps of a token's boundary):
    (which is always in the nucleus).
 
 A sort of a (64, 128k) logits block costs ~1.4 ms on an H200; these passes read each row from
-L2 two or three times (top-k adds 30 counting passes). The uniforms are hashed in the kernel
+L2 two or three times (top-k adds five). The uniforms are hashed in the kernel
 (round_uniforms' hash, in int64 arithmetic) so a sampled step launches nothing before it.
 """
 from __future__ import annotations
@@ -94,20 +95,27 @@ if HAS_TRITON:
             thr = tl.full([], 0, tl.int32)  # the bits of the smallest e that top-k keeps
             zk = z
             if (k > 0) & (k < V):
-                lo = tl.full([], 0, tl.int32)
-                hi = tl.full([], 0x3F800001, tl.int32)  # above the bits of 1.0f, the largest e
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    cnt = tl.full([], 0, tl.int32)
+                # radix select of the k-th largest key, 8 bits a pass from the top: a
+                # histogram of the next byte among the keys that share the bytes found so far
+                prefix = tl.full([], 0, tl.int32)
+                need = k.to(tl.int32)
+                bins = tl.arange(0, 256)
+                for level in tl.static_range(4):
+                    SHIFT = 24 - 8 * level
+                    h = tl.zeros([256], dtype=tl.int32)
                     for off in range(0, V, BLOCK):
                         cols = off + ar
                         msk = cols < V
                         x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
                         key = tl.exp(x - m).to(tl.int32, bitcast=True)
-                        cnt += tl.sum(((key >= mid) & msk).to(tl.int32), 0)
-                    lo = tl.where(cnt >= k, mid, lo)
-                    hi = tl.where(cnt >= k, hi, mid)
-                thr = lo
+                        if level > 0:
+                            msk = msk & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+                        h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=msk)
+                    ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # keys in this byte's bins >= b
+                    b = tl.sum((ge >= need).to(tl.int32), 0) - 1
+                    need -= tl.sum(tl.where(bins > b, h, 0), 0)
+                    prefix = prefix | (b << SHIFT)
+                thr = prefix
                 zk = 0.0
                 for off in range(0, V, BLOCK):
                     cols = off + ar

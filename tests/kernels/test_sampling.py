@@ -55,6 +55,23 @@ def test_kernel_draws_the_reference_tokens(V):
 
 
 @cpu_kernels
+def test_top_k_keeps_every_tie_of_the_kth_value():
+    """The radix select finds the k-th largest value, as the reference's bisection does: with
+    logits on a few levels, the cut falls inside a run of equal values and keeps all of it."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 6, 5000
+    logits = torch.randint(0, 6, (B, V), generator=g).float() * 0.7
+    top_k = torch.tensor([1, 7, 100, 1000, 2500, 4999])
+    ones = torch.ones(B)
+    seeds, pos = torch.arange(B) * 11 + 5, torch.arange(B)
+    got = kern.sample_triton(logits, ones, top_k, ones, seeds, pos, ROUNDS)
+    want = sample_reference(logits, ones, top_k, ones, round_uniforms(seeds, pos, ROUNDS))
+    assert got.tolist() == want.tolist()
+    for i in range(B):  # the drawn token is among the values at or above the k-th largest
+        assert logits[i, got[i]] >= logits[i].topk(int(top_k[i])).values[-1]
+
+
+@cpu_kernels
 def test_kernel_hashes_the_uniforms_of_round_uniforms():
     """The kernel's in-kernel hash (int64 arithmetic in Triton) equals round_uniforms': with
     top_p = 1 and no top-k one round inverts the CDF at u[:, 0], so the token reveals u."""
