@@ -156,8 +156,8 @@ def cmd_passes(a) -> None:
     if a.all:
         from llmaccel.codegen.lower import LOWERING
 
-        print("\nlowering (after the passes, where the graph runs; --verify checks custom-ops and "
-              "rope-tables):")
+        print("\nlowering (after the passes, where the graph runs; `llmc compile --verify` checks "
+              "custom-ops, rope-tables, rows and gemv):")
         for name, what in LOWERING.items():
             print(f"{name:<14} {what}")
 

@@ -188,8 +188,9 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 
 # The rewrites between the IR and what runs, in order (`llmc passes --all` lists them). The first
-# two are what `llmc compile --verify` checks against the graph on the CPU; the others run where
-# their kernels do and are tested against the reference in tests/codegen and tests/runtime.
+# four are what `llmc compile --verify` checks against the graph on the CPU (gemv through its
+# custom ops' reference implementations); fuse-rope and runtime-graph need the paged cache of the
+# engine and are tested against the reference executor in tests/runtime.
 LOWERING = {
     "custom-ops": "IR ops on the kernels' custom ops, torch.ops.llmaccel.<name> (traced aten forms "
                   "on the CPU); lower(select=...)",

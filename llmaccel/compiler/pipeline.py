@@ -113,14 +113,25 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
 
 
 def _verify_lowering(model: Model, sample: torch.Tensor, logits: torch.Tensor) -> dict:
-    """The final graph lowered as the runtime lowers it (every op with a kernel or a traced form
-    on its custom op, RoPE on tables) against the graph itself on the same sample: lowering is
-    a rewrite too, checked like the passes."""
-    low, rep = lower(model.gm, max_len=model.config.max_position, select="all", linear="mm")
-    cache = executor.make_cache(low, sample.shape[0], sample.shape[1], model.dtype, model.device)
-    got = executor.forward(low, sample, 0, cache)
-    return dict(_verify(logits, got), custom=rep.custom, cpu_traced=rep.cpu_traced,
-                rope=rep.rope)
+    """The final graph lowered as the runtime lowers it against the graph itself on the same
+    sample: lowering is a rewrite too, checked like the passes. Every op with a kernel or a
+    traced form on its custom op and RoPE on tables (the top-level figures), then with each
+    linear form a step may use: `rows` (row products a compiled step fuses) and `gemv` (the
+    fused GEMVs with the norm, SiLU-mul and residual moved inside; here their custom ops run
+    the reference, so the check is of the graph rewrite; the kernels are tested against the
+    same reference in tests/kernels)."""
+    def run(linear: str):
+        low, rep = lower(model.gm, max_len=model.config.max_position, select="all", linear=linear)
+        cache = executor.make_cache(low, sample.shape[0], sample.shape[1], model.dtype, model.device)
+        return _verify(logits, executor.forward(low, sample, 0, cache)), rep
+
+    out, rep = run("mm")
+    out.update(custom=rep.custom, cpu_traced=rep.cpu_traced, rope=rep.rope)
+    ver, rep = run("rows")
+    out["rows"] = dict(ver, linears=rep.linear_rows, norms=rep.norm_into_rows)
+    ver, rep = run("gemv")
+    out["gemv"] = dict(ver, **rep.gemv)
+    return out
 
 
 def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress) -> dict:

@@ -30,6 +30,12 @@ def render_markdown(r: dict) -> str:
         ops = ", ".join(f"{k}={v}" for k, v in {**low["custom"], **low["cpu_traced"]}.items()) or "none"
         lines += ["", f"Lowering (kernels: {ops}; rope on tables: {low['rope']}): verify max abs "
                       f"{_fmt(low['max_abs'])} against the graph."]
+        if "rows" in low:
+            g = low["gemv"]
+            lines.append(f"Linears as row products ({low['rows']['linears']}, {low['rows']['norms']} "
+                         f"norms inside): max abs {_fmt(low['rows']['max_abs'])}; as fused GEMVs "
+                         f"({g['gemv']}, {g['glu']} SiLU-mul, {g['residual']} residual adds, {g['norm']} "
+                         f"norms inside): max abs {_fmt(g['max_abs'])}.")
     lines += ["", "| op | before | after |", "|---|---|---|"]
     for op in sorted(set(r["ops_before"]) | set(r["ops_after"])):
         lines.append(f"| {op} | {r['ops_before'].get(op, 0)} | {r['ops_after'].get(op, 0)} |")

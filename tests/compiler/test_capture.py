@@ -89,3 +89,8 @@ def test_verify_checks_the_lowered_graph_too():
     low = m.report["lowering"]
     assert low["custom"].get("linear_int4", 0) + low["cpu_traced"].get("linear_int4", 0) > 0
     assert low["rope"] > 0 and low["max_abs"] < 1e-4
+    # the linear forms of the decode steps: rows on a compiled CPU step, fused GEMVs on CUDA
+    assert low["rows"]["linears"] > 0 and low["rows"]["max_abs"] < 1e-4
+    g = low["gemv"]
+    assert g["int4"] > 0 and g["glu"] > 0 and g["residual"] > 0 and g["norm"] > 0
+    assert g["max_abs"] < 1e-4
