@@ -20,8 +20,9 @@ Tile choices: quant_linear_configs.py (`TUNED`, measured on the H200 by
 `scripts/gpu_quant_bench.py`, else a heuristic). No autotuning at call time (it would also run
 under the CPU interpreter).
 
-Registered as torch.library custom ops llmaccel::linear_int8 / llmaccel::linear_int4: the CPU
-(and any non-CUDA) implementation is the reference in llmaccel/ops/quant.py, CUDA runs Triton.
+Registered as the torch.library custom op llmaccel::linear_int4 (llmaccel::linear_int8: in
+quant_linear_int8.py): the CPU (and any non-CUDA) implementation is the reference in
+llmaccel/ops/quant.py, CUDA runs Triton.
 """
 from __future__ import annotations
 

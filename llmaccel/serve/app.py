@@ -281,7 +281,8 @@ def create_app(engine, *, name: str, api_key: str | None = None, max_waiting: in
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await s.parse(request, CompletionRequest)
-        prompts = [s.encode(p) for p in req.prompts]
+        prompts = [s.encode(p) if isinstance(p, list) else await asyncio.to_thread(s.encode, p)
+                   for p in req.prompts]
         ids = [p for p in prompts for _ in range(req.n)]
         params = [req.params(s.max_tokens(p, req.max_tokens, "max_tokens", "prompt"), i % req.n, req.logprobs)
                   for i, p in enumerate(ids)]
@@ -309,7 +310,8 @@ def create_app(engine, *, name: str, api_key: str | None = None, max_waiting: in
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await s.parse(request, ChatRequest)
-        prompt = s.chat_ids(req)
+        # off the event loop: the tokenizer (Rust) releases the GIL, the other streams go on
+        prompt = await asyncio.to_thread(s.chat_ids, req)
         asked, param = ((req.max_completion_tokens, "max_completion_tokens")
                         if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         mt = s.max_tokens(prompt, asked, param, "messages")

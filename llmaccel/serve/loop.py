@@ -115,8 +115,8 @@ class Frontend:
     def close(self, grace: float | None = None) -> None:
         """Stop admission: every later submit gets 503 (shutdown has begun). After `grace`
         seconds, requests still in flight end with 503 and their blocks are freed."""
-        with self._lock:
-            self._closed = True
+        # no lock: this runs in a signal handler, perhaps while the interrupted code holds it
+        self._closed = True
         self._send(("close", grace))
 
     def submit(self, job: Job) -> None:
@@ -138,10 +138,11 @@ class Frontend:
     # ------------------------------------------------------------ events, on the engine's side
     def route(self, job: Job, item) -> None:
         """Queue one event for its job (delivered at the next flush)."""
-        if not job.taken and (item == ACCEPTED or isinstance(item, ServeError)):
-            job.taken = True
-            with self._lock:
-                self._in_flight_adds -= len(job.prompts)
+        if item == ACCEPTED or isinstance(item, ServeError):
+            with self._lock:  # an abort before the answer also settles the count (process.py)
+                if not job.taken:
+                    job.taken = True
+                    self._in_flight_adds -= len(job.prompts)
         self._routed.setdefault(job.aio, []).append((job, item))
 
     def flush(self) -> None:

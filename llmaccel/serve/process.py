@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -35,6 +36,7 @@ class _RemoteJob:
 
     def __init__(self, jid: int, prompts, params, t0: float):
         self.id, self.prompts, self.params, self.t0 = jid, prompts, params, t0
+        self.left = len(prompts)  # choices that have not sent their last event
 
 
 class _PipeInbox:
@@ -51,7 +53,7 @@ class _PipeInbox:
         if kind == "add":
             arg = self.jobs.setdefault(arg[0], _RemoteJob(*arg))
         elif kind == "abort":
-            arg = self.jobs.get(arg)
+            arg = self.jobs.pop(arg, None)
             if arg is None:
                 return "noop", None
         return kind, arg
@@ -78,8 +80,13 @@ class _PipeOut:
         self._sender.start()
 
     def _send_all(self) -> None:
-        while (msg := self._q.get()) is not None:
-            self.conn.send(msg)
+        try:
+            while (msg := self._q.get()) is not None:
+                self.conn.send(msg)
+        except Exception:  # noqa: BLE001 - events can no longer reach the server
+            log.exception("engine process: sending events failed")
+            # exit, so that the server sees the pipe close and fails what is in flight
+            os._exit(1)
 
     def route(self, job: _RemoteJob, item) -> None:
         self.events.append((job.id, item))
@@ -94,9 +101,12 @@ class _PipeOut:
     def flush(self) -> None:
         if self.events or self.observed or self.figures is not None:
             self._q.put(("turn", self.events, self.observed, self.figures))
-            for jid, item in self.events:  # the child forgets a job once it has ended
-                if _ends(item):
-                    self.inbox.jobs.pop(jid, None)
+            for jid, item in self.events:  # the child forgets a job once every choice ended
+                job = self.inbox.jobs.get(jid)
+                if job is not None and _ends(item):
+                    job.left = 0 if isinstance(item, ServeError) else job.left - 1
+                    if job.left <= 0:
+                        del self.inbox.jobs[jid]
             self.events, self.observed, self.figures = [], [], None
 
     def close(self, last: tuple) -> None:
@@ -107,7 +117,10 @@ class _PipeOut:
 
 
 def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
+    # the server process decides when to stop (a signal to the whole process group, as a
+    # terminal's Ctrl-C or a service manager's stop sends, must not skip its drain)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from llmaccel.runtime.engine import LLM
 
@@ -224,6 +237,9 @@ class EngineProcess(Frontend):
         except (EOFError, OSError):
             code = self._proc.join(5) or self._proc.exitcode
             self.error = RuntimeError(f"the engine process exited (code {code})")
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave /health saying ok
+            log.exception("routing the engine's events failed")
+            self.error = RuntimeError(f"routing the engine's events failed: {type(e).__name__}: {e}")
         finally:
             self._end()
 

@@ -72,3 +72,23 @@ def test_a_dead_engine_process_fails_its_jobs_with_500():
         assert not eng.alive
     finally:
         eng.shutdown()
+
+
+def test_an_abort_after_one_choice_ended_stops_the_others_and_frees_their_blocks():
+    eng = EngineProcess(**TINY)
+    eng.start()
+    try:
+        async def run():
+            job = Job([[1, 2, 3], [1, 2, 3]], [SamplingParams(max_tokens=1, ignore_eos=True),
+                                                SamplingParams(max_tokens=900, ignore_eos=True)])
+            await _events(eng, job, lambda ev: any(isinstance(e, Delta) and e.index == 0 and e.finish_reason
+                                                   for e in ev))
+            eng.abort(job)
+        asyncio.run(run())
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (eng.snapshot.get("kv_blocks_used") or eng.snapshot.get("running")):
+            time.sleep(0.05)
+        assert eng.snapshot["kv_blocks_used"] == 0 and eng.snapshot["running"] == 0, eng.snapshot
+        assert eng.snapshot["waiting"] == 0
+    finally:
+        eng.shutdown()
