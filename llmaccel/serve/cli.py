@@ -9,7 +9,6 @@ import sys
 
 from llmaccel.errors import LlmaccelError
 
-SWITCH_INTERVAL_S = 0.001
 BACKLOG = 2048
 UVICORN_GRACE_S = 5.0
 
@@ -59,6 +58,8 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
     # The thread that routes the engine's events shares the GIL with the event loop. A thread
     # coming back from a call that released it (a pipe read, a socket write) waits until the
     # holder yields, by default up to 5 ms; every stream's tokens would wait that long.
+    from llmaccel.serve.process import SWITCH_INTERVAL_S
+
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     _Server(config).run(sockets=[sock])
 

@@ -18,12 +18,14 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.serve.loop import Delta, EngineCore, Frontend, ServeError, model_facts
 
 log = logging.getLogger("llmaccel.serve")
+SWITCH_INTERVAL_S = 0.001
 
 
 def _ends(item) -> bool:
@@ -129,6 +131,9 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
         out_conn.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, LlmaccelError) else str(e)))
         return
     out_conn.send(("ready", model_facts(llm)))
+    # the engine thread and the sender share this process's GIL: a thread that wants it back
+    # (the sender with a turn's events, the engine back from a CUDA sync) waits at most 1 ms
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     inbox = _PipeInbox(cmd_conn)
     out = _PipeOut(out_conn, inbox)
     result = []
