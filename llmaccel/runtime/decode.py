@@ -12,7 +12,9 @@ and per-row sampling parameters are copied into static buffers, and one sub-step
 is replayed n times back to back (a CUDA graph per (bucket, width, sampling mode) on CUDA), the
 KV slot of each row computed on the device from its block table and position. The host reads
 the n x rows new tokens once, then applies EOS, stop strings and max_tokens: a row that ended
-early wasted at most n - 1 sub-steps; its extra KV entries lie past what it keeps.
+early wasted at most n - 1 sub-steps; its extra KV entries lie past what it keeps. `relaunch`
+starts the next group of the same rows from the device state the last one left (the engine
+does so before its bookkeeping of the tokens just read: docs/runtime.md).
 
 The forward is the IR graph lowered with select="all": custom ops for every op a kernel module
 registers; RoPE, the KV write and the attention of a layer in one kernel
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -137,6 +140,17 @@ def _recompiles_allowed(compiled):
     return call
 
 
+@dataclass
+class Group:
+    """Sub-steps launched on one shape's buffers: `n` of them for the first `n_rows` rows."""
+    graph: object  # the CUDA graph, or None (the sub-step runs eagerly)
+    buf: _Buffers
+    fn: object
+    n_rows: int
+    n: int
+    ends: list[int]  # each row's position after the group (0: a row made padding)
+
+
 class DecodeRunner:
     """Decode sub-steps of the IR graph `gm` over `cache`, whose last block is the scratch
     block of the padding rows.
@@ -160,6 +174,7 @@ class DecodeRunner:
         self.graphs: dict[tuple[int, int, str, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
+        self.relaunches = 0  # groups launched from the device state of the one before
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
 
     def bucket(self, n: int, width: int) -> tuple[int, int] | None:
@@ -227,11 +242,11 @@ class DecodeRunner:
             fn(buf)
         return g
 
-    def run(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1):
-        """(n_steps new tokens per row, their logprobs or None), rows = (block_table, position,
-        token, temperature, top_k, top_p, seed); None when no shape takes them (more rows than
-        the largest bucket). Each table must cover position + n_steps tokens. top >= 0 asks
-        for logprobs: per row and step (logprob, [(id, logprob)] of the top `top` tokens)."""
+    def launch(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1) -> Group | None:
+        """Start n_steps sub-steps of rows = (block_table, position, token, temperature, top_k,
+        top_p, seed), without waiting for them; None when no shape takes them (more rows than
+        the largest bucket). Each table must cover position + n_steps tokens. top >= 0 asks for
+        logprobs: per row and step (logprob, [(id, logprob)] of the top `top` tokens)."""
         if not 1 <= n_steps <= MAX_STEPS:
             raise ValueError(f"n_steps must be in 1..{MAX_STEPS}, got {n_steps}")
         lens = [r[1] + n_steps for r in rows]
@@ -241,21 +256,66 @@ class DecodeRunner:
             return None
         g, buf, fn = self._graph((*shape, mode, top))
         self._fill(buf, rows, tables)
-        for _ in range(n_steps):
-            if g is None:
-                fn(buf)
+        grp = Group(g, buf, fn, len(rows), n_steps, lens)
+        self._replay(grp)
+        return grp
+
+    def relaunch(self, grp: Group, tables: list[list[int] | None], n_steps: int) -> Group | None:
+        """The next n_steps sub-steps of the same rows, launched from where `grp` left them on the
+        device (their last tokens, positions and sampling state): rows with a table go on, each
+        table covering the row's position after `grp` plus n_steps; rows with None (and the
+        padding rows) become padding rows (token 0 at position 0 on the scratch block), so no
+        row's position outgrows the shape. Call after collect(grp), whose outputs this
+        overwrites. None when a table no longer fits the shape's width."""
+        if not 1 <= n_steps <= MAX_STEPS:
+            raise ValueError(f"n_steps must be in 1..{MAX_STEPS}, got {n_steps}")
+        buf, bs = grp.buf, self.cache.block_size
+        B, W = buf.tables.shape
+        go = [i for i, t in enumerate(tables) if t is not None]
+        ends = {i: grp.ends[i] + n_steps for i in go}
+        if any(-(-e // bs) > W or e > self.max_len for e in ends.values()):
+            return None
+        t = np.full((B, W), self.scratch, dtype=np.int32)
+        for i in go:
+            used = tables[i][:-(-ends[i] // bs)]
+            t[i, :len(used)] = used
+        buf.tables.copy_(torch.from_numpy(t), non_blocking=True)
+        off = torch.tensor([i for i in range(B) if i not in ends], dtype=torch.int64)
+        if len(off):
+            off = off.to(buf.pos.device, non_blocking=True)
+            buf.pos.index_fill_(0, off, 0)
+            buf.ids.index_fill_(0, off, 0)
+        buf.i.zero_()
+        nxt = Group(grp.graph, buf, grp.fn, grp.n_rows, n_steps,
+                    [ends.get(i, 0) for i in range(grp.n_rows)])
+        self._replay(nxt)
+        self.relaunches += 1
+        return nxt
+
+    def _replay(self, grp: Group) -> None:
+        for _ in range(grp.n):
+            if grp.graph is None:
+                grp.fn(grp.buf)
             else:
-                g.replay()
-        self.replays += n_steps if g is not None else 0
-        n = len(rows)
-        toks = buf.out[:n, :n_steps].tolist()
-        if top < 0:
+                grp.graph.replay()
+        self.replays += grp.n if grp.graph is not None else 0
+
+    def collect(self, grp: Group):
+        """(n new tokens per row, their logprobs or None) of a launched group: waits for it."""
+        buf, n, k = grp.buf, grp.n_rows, grp.n
+        toks = buf.out[:n, :k].tolist()
+        if buf.top < 0:
             return toks, None
-        lp = buf.lp[:n, :n_steps].tolist()
-        if top == 0:
+        lp = buf.lp[:n, :k].tolist()
+        if buf.top == 0:
             return toks, [logprob_pairs(row) for row in lp]
-        ids, vals = buf.top_ids[:n, :n_steps].tolist(), buf.top_lp[:n, :n_steps].tolist()
+        ids, vals = buf.top_ids[:n, :k].tolist(), buf.top_lp[:n, :k].tolist()
         return toks, [logprob_pairs(*r) for r in zip(lp, ids, vals)]
+
+    def run(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1):
+        """launch, then collect; None when no shape takes the rows."""
+        grp = self.launch(rows, n_steps, mode, top)
+        return None if grp is None else self.collect(grp)
 
     def _fill(self, buf: _Buffers, rows, tables) -> None:
         """Rows 0 .. n - 1 from the step, the rest padding rows on the scratch block."""

@@ -12,7 +12,8 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
-from llmaccel.runtime.decode import MAX_STEPS, DecodeRunner
+from llmaccel.runtime.decode import DecodeRunner
+from llmaccel.runtime.decode_steps import DecodeSteps
 from llmaccel.runtime.detokenize import IncrementalDetokenizer, find_stop
 from llmaccel.runtime.graph import runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
@@ -38,7 +39,7 @@ def _lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
     return logprob_pairs(lp.tolist(), *(() if top is None else (top[0].tolist(), top[1].tolist())))
 
 
-class LLM:
+class LLM(DecodeSteps):
     def __init__(self, source, *, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
@@ -119,6 +120,7 @@ class LLM:
             name = f"self:{self.self_kind}" if speculative.startswith("self") else speculative
             self.draft = ModelDraft(runtime_graph(draft_model.gm), dcache, shared=False,
                                     device=self.device, name=name)
+        self._pending = None  # (rows, the decode group launched for them): the next step's
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, spec_proposed=0,
                           spec_accepted=0, spec_verifies=0, spec_emitted=0, kv_blocks_peak=0,
                           requests_failed=0, decode_steps=0)
@@ -310,6 +312,11 @@ class LLM:
 
     @torch.inference_mode()
     def step(self) -> None:
+        if self._pending is not None:  # a decode group launched by the last step
+            (seqs, grp), self._pending = self._pending, None
+            self.stats["steps"] += 1
+            self._resolve(seqs, grp)
+            return
         batch, too_long = self.sched.schedule()
         for seq in too_long:  # alone it would not fit in the whole cache
             seq.finish_reason = "length"
@@ -340,40 +347,6 @@ class LLM:
             if self._decode([seq for seq, _, _ in plan]):
                 return
         self._eager_step(plan, proposals)
-
-    def _decode(self, seqs: list[Sequence]) -> bool:
-        """A decode-only step on the runner: up to MAX_STEPS sub-steps, as many as the row with
-        the most tokens left wants (a row that reaches max_tokens earlier computes the rest of
-        the group and discards it, as after an EOS: a row of a wide batch costs little, a host
-        sync per finishing row costs a step), within every row's context and the free blocks.
-        False when no shape takes it (the step runs eagerly)."""
-        n = min(MAX_STEPS, max(s.params.max_tokens - s.n_output for s in seqs))
-        for seq in seqs:
-            n = min(n, self.cfg.max_position - len(seq.token_ids))
-        n = max(1, n)
-        bm = self.bm
-        if n > 1 and sum(max(0, bm.blocks_for(s.num_computed + n) - len(s.block_table)) for s in seqs) > bm.num_free:
-            n = 1  # the scheduler made room for one token per row
-        for seq in seqs:  # positions past the scheduled one fall in blocks that only this row holds
-            bm.grow(seq, seq.num_computed + n)
-        rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
-                 s.params.top_p, s.seed) for s in seqs]
-        ps = [s.params for s in seqs]
-        out = self.runner.run(rows, n, sample_mode(ps), logprobs_wanted(ps))
-        if out is None:
-            for seq in seqs:
-                bm.trim(seq, seq.num_computed + 1)
-            return False
-        self.stats["decode_steps"] += n
-        toks_all, lps_all = out
-        for i, (seq, toks) in enumerate(zip(seqs, toks_all)):
-            seq.num_computed += n
-            self._append(seq, toks, lps_all[i] if lps_all is not None else None)
-            bm.register(seq)
-            if seq.finished:
-                self.sched.finish(seq)
-        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], bm.num_used)
-        return True
 
     def _eager_step(self, plan, proposals) -> None:
         """A step with prefill chunks or speculative proposals: one forward of the runtime graph

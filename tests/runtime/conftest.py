@@ -10,3 +10,10 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny Llama preset, loaded once per test module."""
+    from llmaccel import load
+    return load("preset:tiny-llama")

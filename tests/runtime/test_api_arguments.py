@@ -1,13 +1,8 @@
 """LLM arguments and SamplingParams: a bad value is one LlmaccelError (a ValueError) that names it."""
 import pytest
 
-from llmaccel import LLM, SamplingParams, load
+from llmaccel import LLM, SamplingParams
 from llmaccel.errors import LlmaccelError
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load("preset:tiny-llama")
 
 
 @pytest.mark.parametrize("kw, match", [

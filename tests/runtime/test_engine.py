@@ -13,11 +13,6 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load("preset:tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 40, 12)]

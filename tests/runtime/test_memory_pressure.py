@@ -4,15 +4,10 @@ as with room to spare; a request that can never fit fails alone in one line."""
 import pytest
 import torch
 
-from llmaccel import LLM, SamplingParams, load
+from llmaccel import LLM, SamplingParams
 from llmaccel.errors import LlmaccelError
 
 CACHE, BLOCK = 96, 8  # 12 blocks
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load("preset:tiny-llama")
 
 
 def _load(n: int, seed: int = 0):

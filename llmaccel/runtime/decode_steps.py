@@ -1,0 +1,85 @@
+"""LLM's decode-only steps on the DecodeRunner: a group of up to MAX_STEPS sub-steps, and the
+next group launched before the bookkeeping of the one just read (docs/runtime.md)."""
+from __future__ import annotations
+
+from llmaccel.runtime.decode import MAX_STEPS
+from llmaccel.runtime.sequence import Sequence
+from llmaccel.sampling import logprobs_wanted, sample_mode
+
+
+class DecodeSteps:
+    """LLM's decode steps (a part of LLM: they read its block manager, scheduler, runner,
+    config and statistics, and apply tokens with its _append)."""
+
+    def _decode(self, seqs: list[Sequence]) -> bool:
+        """A decode-only step on the runner: up to MAX_STEPS sub-steps, as many as the row with
+        the most tokens left wants (a row that reaches max_tokens earlier computes the rest of
+        the group and discards it, as after an EOS: a row of a wide batch costs little, a host
+        sync per finishing row costs a step), within every row's context and the free blocks.
+        False when no shape takes it (the step runs eagerly)."""
+        n = min(MAX_STEPS, max(s.params.max_tokens - s.n_output for s in seqs))
+        for seq in seqs:
+            n = min(n, self.cfg.max_position - len(seq.token_ids))
+        n = max(1, n)
+        bm = self.bm
+        if n > 1 and sum(max(0, bm.blocks_for(s.num_computed + n) - len(s.block_table)) for s in seqs) > bm.num_free:
+            n = 1  # the scheduler made room for one token per row
+        for seq in seqs:  # positions past the scheduled one fall in blocks that only this row holds
+            bm.grow(seq, seq.num_computed + n)
+        rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
+                 s.params.top_p, s.seed) for s in seqs]
+        ps = [s.params for s in seqs]
+        grp = self.runner.launch(rows, n, sample_mode(ps), logprobs_wanted(ps))
+        if grp is None:
+            for seq in seqs:
+                bm.trim(seq, seq.num_computed + 1)
+            return False
+        self._resolve(seqs, grp)
+        return True
+
+    def _resolve(self, seqs: list[Sequence], grp) -> None:
+        """Wait for a decode group, launch the next one for the same rows where nothing else
+        waits (so the GPU computes it while the host does this group's bookkeeping and the
+        caller its own work: the next step() resolves it), then apply this group's tokens to
+        the rows still running."""
+        toks_all, lps_all = self.runner.collect(grp)
+        self._pending = self._continue(seqs, grp)
+        n, bm = grp.n, self.bm
+        self.stats["decode_steps"] += n
+        for i, (seq, toks) in enumerate(zip(seqs, toks_all)):
+            if seq.finished:  # aborted, or ended by the group before: its tokens are dropped
+                continue
+            seq.num_computed += n
+            self._append(seq, toks, lps_all[i] if lps_all is not None else None)
+            bm.register(seq)
+            if seq.finished:
+                self.sched.finish(seq)
+        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], bm.num_used)
+
+    def _continue(self, seqs: list[Sequence], grp):
+        """(seqs, the next group launched) when the next step would decode the same rows: no
+        request waits to be admitted, a row has tokens left after this group, and blocks are
+        free for the next positions; else None. A row that ends within this group (an EOS, a
+        stop string: not known yet) computes the next group for nothing, as after an EOS inside
+        a group; a row known to end (max_tokens, abort) becomes a padding row."""
+        if self.sched.waiting or self.bm.copies:
+            return None
+        k, bm = grp.n, self.bm
+        left = {id(s): min(s.params.max_tokens - s.n_output, self.cfg.max_position - len(s.token_ids)) - k
+                for s in seqs if not s.finished}
+        cont = [s for s in seqs if left.get(id(s), 0) > 0]
+        if not cont:
+            return None
+        n = min(MAX_STEPS, max(s.params.max_tokens - s.n_output - k for s in cont),
+                min(self.cfg.max_position - len(s.token_ids) - k for s in cont))
+        if sum(max(0, bm.blocks_for(s.num_computed + k + n) - len(s.block_table)) for s in cont) > bm.num_free:
+            return None
+        for s in cont:
+            bm.grow(s, s.num_computed + k + n)
+        go = {id(s) for s in cont}
+        nxt = self.runner.relaunch(grp, [s.block_table if id(s) in go else None for s in seqs], n)
+        if nxt is None:
+            for s in cont:
+                bm.trim(s, s.num_computed + k)
+            return None
+        return seqs, nxt

@@ -1,0 +1,70 @@
+"""Decode groups launched before the last one's bookkeeping (LLM._continue, DecodeRunner.relaunch):
+the next group starts from the device state of the one before while the host applies its
+tokens. Checked against the reference executor and against each request run alone: the same
+tokens whatever ends within a group (max_tokens, EOS, a stop, an abort), every block freed."""
+import pytest
+import torch
+
+from llmaccel import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 9, 21, 2, 30, 14, 6)]
+
+
+def test_pipelined_groups_match_the_reference_with_rows_ending_inside_groups(tiny, prompts):
+    # max_tokens 5..41: rows end inside a group, the others go on in the relaunched ones
+    params = [SamplingParams(max_tokens=5 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm = LLM(tiny, max_num_seqs=8)
+    outs = llm.generate(prompts, params)
+    assert llm.runner.relaunches > 0
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.token_ids == list(tiny.generate_ids(p, sp))
+    assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_seeded_sampled_rows_give_their_tokens_alone_or_in_a_pipelined_batch(tiny, prompts):
+    params = [SamplingParams(max_tokens=7 + 5 * i, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    llm = LLM(tiny, max_num_seqs=8)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.runner.relaunches > 0
+    alone = [LLM(tiny, max_num_seqs=1).generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+
+
+def test_an_eos_inside_a_group_ends_the_row_and_the_pipeline_drops_its_extra_tokens(tiny, prompts):
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    refs = [list(tiny.generate_ids(p, long)) for p in prompts]
+    # an EOS that one row first meets in its second group (after 8 tokens): it ends there while
+    # its next group is already launched; the rows without it decode on
+    eos = next(r[i] for r in refs for i in range(9, 16) if r[i] not in r[:i])
+    llm = LLM(tiny, max_num_seqs=8)
+    llm.eos = {eos}
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30))
+    assert llm.runner.relaunches > 0
+    for r, o in zip(refs, outs):
+        cut = r.index(eos) if eos in r else len(r)
+        assert o.token_ids == r[:cut] and o.finish_reason == ("stop" if eos in r else "length")
+    assert {o.finish_reason for o in outs} == {"stop", "length"}
+    assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_abort_and_new_requests_between_pipelined_steps(tiny, prompts):
+    llm = LLM(tiny, max_num_seqs=8)
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    seqs = [llm.add_request(p, long) for p in prompts[:4]]
+    for _ in range(4):
+        llm.step()
+    assert llm._pending is not None  # a group is in flight between steps
+    llm.abort(seqs[0])  # its blocks are freed now; the group in flight drops its row
+    late = llm.add_request(prompts[5], long)  # admitted once the group in flight is resolved
+    while llm.has_unfinished():
+        llm.step()
+    assert seqs[0].finish_reason == "abort"
+    for s, p in zip(seqs[1:] + [late], prompts[1:4] + [prompts[5]]):
+        assert s.output_ids == list(tiny.generate_ids(p, long))
+    llm.step()  # resolves a group left in flight, if any
+    assert llm.metrics()["kv_blocks_used"] == 0
