@@ -174,6 +174,7 @@ class DecodeRunner:
         self.graphs: dict[tuple[int, int, str, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
+        self.launches = 0    # groups launched from the host's rows
         self.relaunches = 0  # groups launched from the device state of the one before
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
 
@@ -258,6 +259,7 @@ class DecodeRunner:
         self._fill(buf, rows, tables)
         grp = Group(g, buf, fn, len(rows), n_steps, lens)
         self._replay(grp)
+        self.launches += 1
         return grp
 
     def relaunch(self, grp: Group, tables: list[list[int] | None], n_steps: int) -> Group | None:
