@@ -58,12 +58,12 @@ class DecodeSteps:
 
     def _continue(self, seqs: list[Sequence], grp):
         """(seqs, the next group launched) when the next step would decode the same rows: no
-        request waits to be admitted, a row has tokens left after this group, and blocks are
-        free for the next positions; else None. A row that ends within this group (an EOS, a
+        request waits to be admitted, no draft would propose, a row has tokens left after this
+        group, and blocks are free for the next positions; else None. A row that ends within this group (an EOS, a
         stop string: not known yet) computes the next group for nothing, as after an EOS inside
         a group; a row known to end (max_tokens, abort) becomes a padding row."""
-        if self.sched.waiting or self.bm.copies:
-            return None
+        if self.sched.waiting or self.bm.copies or self.draft is not None:
+            return None  # the next step admits, copies blocks, or lets the draft propose
         k, bm = grp.n, self.bm
         left = {id(s): min(s.params.max_tokens - s.n_output, self.cfg.max_position - len(s.token_ids)) - k
                 for s in seqs if not s.finished}
