@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent / "llmaccel"
 
 LAYERS = [
     {"errors", "config"},
-    {"ir", "ops", "quant", "eval.text"},  # eval.text: calibration text, files or samples of a model
+    {"ir", "ops", "quant", "eval.text", "eval.domains"},  # eval.text: calibration text, files or samples
+    # of a model; eval.domains: the evaluation texts of several domains and their scores
     {"kernels", "sampling"},
     {"passes"},
     {"codegen"},

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.eval.domains import window_batches
 
 # Prefill chunk for graphs whose KV cache is quantized: small next to the residual window, so
 # that tokens age into the quantized store as they would while decoding.
@@ -33,19 +34,6 @@ def window_logits(model, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
-def _window_batches(ids: torch.Tensor, ctx: int, size: int):
-    """(x, y) stacks of up to `size` consecutive windows of equal length."""
-    group: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for s in range(0, len(ids) - 1, ctx):
-        y = ids[s + 1: s + ctx + 1]
-        if group and (len(group) == size or len(y) != len(group[0][1])):
-            yield torch.stack([g[0] for g in group]), torch.stack([g[1] for g in group])
-            group = []
-        group.append((ids[s: s + len(y)], y))
-    if group:
-        yield torch.stack([g[0] for g in group]), torch.stack([g[1] for g in group])
-
-
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progress: bool = True,
              chunk: int | None = None, batch: int = 4) -> dict:
@@ -65,7 +53,7 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
     n_windows = len(range(0, len(ids) - 1, ctx))
     size = batch if chunk is not None or base_chunk is not None else 1
     bar = tqdm(total=n_windows, desc="eval", unit="win", disable=not progress, file=sys.stderr)
-    for x, y in _window_batches(ids, ctx, size):
+    for x, y in window_batches(ids, ctx, size):
         logits = window_logits(model, x, chunk).float().flatten(0, 1)
         y = y.flatten().to(logits.device)
         nll += F.cross_entropy(logits, y, reduction="sum").item()

@@ -30,6 +30,7 @@ add into the norm, which takes away the norms this pass absorbs; run `bitlinear,
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Literal
@@ -41,6 +42,8 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import bitlinear as bl
 from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.bitlinear_fit import ternary_fit
+from llmaccel.passes.fitting import FitOptions, fit_sites, quality
 from llmaccel.ir import add_weight, is_op, op_nodes, prune_weights, weight_of
 
 _TRAIN_OPS = (bl.bitlinear_train, bl.rms_norm_bitlinear_train)
@@ -50,13 +53,14 @@ _LEAVES = ("q", "k", "v", "o", "gate", "up", "down", "fc", "proj")
 
 
 @dataclass
-class BitlinearConfig:
+class BitlinearConfig(FitOptions):
     linears: str = "all"        # "all" or a comma list of q,k,v,o,gate,up,down (fc,proj for GPT-2)
     scale: Literal["per_tensor", "per_channel"] = "per_channel"   # measured better (module docstring)
     fuse_norm: bool = True      # absorb the RMSNorm before a linear group into the op
     warmup: float = 0.0         # heal: fraction of the steps over which quantization ramps in
 
     def __post_init__(self):
+        super().__post_init__()
         if self.scale not in bl.SCALES:
             raise LlmaccelError(f"bitlinear.scale={self.scale}: expected per_tensor or per_channel")
         if self.linears != "all":
@@ -134,13 +138,27 @@ class Bitlinear(Pass):
         gm.graph.eliminate_dead_code()   # norms absorbed into their group's op
         stats = {"scale": c.scale, "linears_converted": len(lins), "ops": len(groups),
                  "norms_fused": norms_fused, "weight_bytes_before": bytes_before}
+        unfitted = None
+        if c.fit:
+            gm.graph.lint()
+            gm.recompile()
+            if c.fit_report_tokens:
+                unfitted = _packed_copy(gm)
+            stats["fit"] = fit_sites(gm, ctx, c, lambda errs, updates: (
+                {n: ternary_fit(gm, n, c.fit_damp, errs, updates) for n in op_nodes(gm, *_TRAIN_OPS)},
+                set()), "bitlinear fit")
         if "heal" in ctx.later:
             stats["form"] = "training (packed by heal)"
             stats.update(_latent_stats(gm))
+            fitted = _packed_copy(gm) if unfitted is not None else None
         else:
             stats["form"] = "packed"
             stats.update(_finish(gm))
+            fitted = gm
         prune_weights(gm)
+        if unfitted is not None:
+            gm.recompile()
+            stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": fitted}, c.fit_report_tokens)
         return PassResult(gm, len(lins), stats)
 
     def _convert(self, gm: torch.fx.GraphModule, x: torch.fx.Node, group: list[torch.fx.Node]) -> int:
@@ -192,6 +210,16 @@ class Bitlinear(Pass):
         st = _finish(gm)
         prune_weights(gm)
         return {"bitlinear": st}
+
+
+def _packed_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The inference form of a training-form graph, on a copy (gm unchanged)."""
+    out = copy.deepcopy(gm)
+    _finish(out)
+    prune_weights(out)
+    out.graph.lint()
+    out.recompile()
+    return out
 
 
 def _nbytes(*ts) -> int:

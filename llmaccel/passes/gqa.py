@@ -27,18 +27,20 @@ import torch.fx
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
 from llmaccel.passes.fuse import fuse_linears
 from llmaccel.ir import is_op, op_nodes, probe, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
 @dataclass
-class GQAConfig:
+class GQAConfig(FitOptions):
     kv_heads: int = 1
     method: Literal["mean", "cluster", "pca"] = "pca"
     calib_samples: int = 8
     calib_seq_len: int = 256
 
     def __post_init__(self):
+        super().__post_init__()
         if self.kv_heads < 1:
             raise LlmaccelError(f"gqa.kv_heads must be positive, got {self.kv_heads}")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
@@ -139,6 +141,7 @@ class GQA(Pass):
             raise LlmaccelError(f"gqa.kv_heads={c.kv_heads} must divide the model's {Hkv} KV heads")
         if c.kv_heads == Hkv:
             return PassResult(gm, 0, {"kv_heads_before": Hkv, "kv_heads_after": Hkv})
+        orig = snapshot(gm) if c.fit else None
         # A fused graph's q/k/v are one linear: split it for the merge, fuse it again after.
         unfused = unfuse_linears(gm)
         atts = op_nodes(gm, ops.attention)
@@ -156,9 +159,18 @@ class GQA(Pass):
             prune_weights(gm)
         if ctx.config is not None:
             ctx.config.n_kv_heads = c.kv_heads  # the graph now caches kv_heads heads per layer
-        return PassResult(gm, len(sites), {"fused_groups_split_and_refused": unfused,
-            "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
-            "kv_bytes_per_token_before": per_tok(Hkv), "kv_bytes_per_token_after": per_tok(c.kv_heads)})
+        stats = {"fused_groups_split_and_refused": unfused,
+                 "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
+                 "kv_bytes_per_token_before": per_tok(Hkv), "kv_bytes_per_token_after": per_tok(c.kv_heads)}
+        if c.fit:
+            gm.graph.lint()
+            gm.recompile()
+            unfitted = snapshot(gm)
+            atts = op_nodes(gm, ops.attention)
+            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts, c.fit_damp), "gqa fit")
+            if c.fit_report_tokens:
+                stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
+        return PassResult(gm, len(sites), stats)
 
     def _merge(self, gm, s: dict, acts: dict | None, H: int, Hkv: int, hd: int) -> None:
         c = self.config

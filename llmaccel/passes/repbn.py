@@ -44,7 +44,9 @@ from llmaccel.ir import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.ir import add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights, weight_of
+from llmaccel.passes.fitting import FitOptions, fit_sites, quality
+from llmaccel.ir import (add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights,
+                         replace_weight, weight_of)
 
 _NORMS = (ops.rms_norm, ops.layer_norm)
 _FUSED = (ops.add_rms_norm, ops.add_layer_norm)
@@ -53,7 +55,7 @@ _DEFAULT_RAMP = 0.8  # used when a blend node lost its meta (e.g. read back from
 
 
 @dataclass
-class RepBNConfig:
+class RepBNConfig(FitOptions):
     samples: int = 32        # calibration windows, run as one batch (memory grows with both)
     seq_len: int = 256
     stats: Literal["sequential", "source"] = "sequential"
@@ -66,6 +68,7 @@ class RepBNConfig:
     time_tokens: int = 128   # tokens of the timed forward (batch 1)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.samples < 1 or self.seq_len < 2:
             raise LlmaccelError("repbn.samples must be >= 1 and repbn.seq_len >= 2")
         if self.clamp != 0 and self.clamp < 1:
@@ -213,6 +216,80 @@ def fold(gm: torch.fx.GraphModule) -> dict:
     return st
 
 
+def _reader_metric(gm, node: torch.fx.Node, D: int) -> torch.Tensor:
+    """M = Σ WᵀW over the linears that read `node` (identity for any other reader): the norm's
+    output error e costs eᵀMe in what its readers compute."""
+    M = torch.zeros(D, D, dtype=torch.float64)
+    other = False
+    for u in node.users:
+        if _absorbs(u, node):
+            w = weight_of(gm, u.args[1]).detach()
+            M += (w.T.double() @ w.double()).cpu()
+        else:
+            other = True
+    if other or not M.any():
+        M += torch.eye(D, dtype=torch.float64) * max(M.diagonal().mean().item(), 1.0)
+    return M
+
+
+def solve_affine(x: torch.Tensor, y: torch.Tensor, M: torch.Tensor, a0: torch.Tensor,
+                 c0: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel a, c minimising Σ_t (x_t∘a + c - y_t)ᵀ M (x_t∘a + c - y_t) + λ||(a, c) - (a0, c0)||²
+    over tokens x, y (N, D): the 2D normal equations, written with Hadamard products
+    (Σ_t diag(x_t) M diag(x_t) = M ∘ XᵀX). float64."""
+    N, D = x.shape
+    sx, sy = x.sum(0), y.sum(0)
+    A = torch.empty(2 * D, 2 * D, dtype=torch.float64)
+    A[:D, :D] = M * (x.T @ x)
+    A[:D, D:] = M * sx[:, None]
+    A[D:, :D] = A[:D, D:].T
+    A[D:, D:] = N * M
+    b = torch.cat([(M * (x.T @ y)).sum(1), M @ sy])
+    lam = damp * A.diagonal().mean() + 1e-12
+    A.diagonal().add_(lam)
+    sol = torch.linalg.solve(A, b + lam * torch.cat([a0, c0]))
+    return sol[:D], sol[D:]
+
+
+def _affine_fit(gm, damp: float, errs: list, updates: list):
+    """Fit callback of one repbn_blend (at lam = 0, the BN): its folded affine a·x + c fitted to
+    the norm's outputs on the inputs at hand, in the metric of the norm's readers; written back
+    as the BN's gamma and beta (the calibrated statistics stay)."""
+    def site(interp, n):
+        args = [interp.value(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
+        x, nw, nb, mean, var, g, beta = args[:7]
+        lo, hi = (args[8], args[9]) if len(args) > 9 else (None, None)
+        eps = n.kwargs["eps"]
+        D = x.shape[-1]
+        h = x.detach().reshape(-1, D).double().cpu()
+        xb = h if lo is None else torch.clamp(h, lo.double().cpu(), hi.double().cpu())
+        norm = ops.rms_norm(x, nw, eps=eps) if n.kwargs["kind"] == "rms" else ops.layer_norm(x, nw, nb, eps=eps)
+        y = norm.reshape(-1, D).double().cpu()
+        M = _reader_metric(gm, n, D)
+        mean, var = mean.double().cpu(), var.double().cpu()
+        a0 = torch.rsqrt(var + eps) * g.double().cpu()
+        c0 = beta.double().cpu() - mean * a0
+        a, c_ = solve_affine(xb, y, M, a0, c0, damp)
+
+        def err(a, c_):
+            r = xb * a + c_ - y
+            return ((r @ M) * r).sum().item() / max(((y @ M) * y).sum().item(), 1e-30)
+        before, after = err(a0, c0), err(a, c_)
+        errs.append((before, min(before, after)))
+        if after >= before:
+            return super(type(interp), interp).run_node(n)
+        dev, dt = g.device, g.dtype
+        g_new = (a * torch.sqrt(var + eps)).to(dev, dt)
+        b_new = (c_ + mean * a).to(dev, dt)
+
+        def write():
+            n.update_arg(5, replace_weight(gm, n.args[5], g_new, n))
+            n.update_arg(6, replace_weight(gm, n.args[6], b_new, n))
+        updates.append(write)
+        return rops.repbn_blend(x, nw, nb, args[3], args[4], g_new, b_new, *args[7:], **n.kwargs)
+    return site
+
+
 @torch.no_grad()
 def forward_ms(gm: torch.fx.GraphModule, vocab: int, tokens: int, reps: int, device) -> float:
     """Median wall time of a batch-1 forward of `tokens` fixed tokens, after one warm-up."""
@@ -265,6 +342,16 @@ class RepBN(Pass):
             _to_blend(gm, n, *cal.stats[n.name], ramp=c.ramp, dtype=dtype, bounds=bounds)
         gm.graph.lint()
         gm.recompile()
+        fit_st, unfitted = None, None
+        if c.fit:
+            if c.fit_report_tokens:
+                unfitted = copy.deepcopy(gm)
+                fold(unfitted)
+                unfitted.graph.lint()
+                unfitted.recompile()
+            fit_st = fit_sites(gm, ctx, c, lambda errs, updates: (
+                {n: _affine_fit(gm, c.fit_damp, errs, updates) for n in op_nodes(gm, rops.repbn_blend)},
+                set()), "repbn fit")
         training = "heal" in ctx.later
         # The inference form is what ships either way: in the training form it is previewed
         # on a copy so that the figures below describe the model heal will finish into.
@@ -284,7 +371,10 @@ class RepBN(Pass):
                          forward_ms_after=time_it(target))
         if training:
             stats["ramp"] = c.ramp
-
+        if fit_st is not None:
+            if unfitted is not None:
+                fit_st["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": target}, c.fit_report_tokens)
+            stats["fit"] = fit_st
         return PassResult(gm, len(norms), stats)
 
     @classmethod

@@ -37,11 +37,12 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
 from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
 from llmaccel.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
 
 
 @dataclass
-class SLAConfig:
+class SLAConfig(FitOptions):
     kernel_size: int = 4
     eps: float = 1e-6
     init: Literal["fit", "zeros"] = "fit"
@@ -51,6 +52,7 @@ class SLAConfig:
     gain: bool = True    # fit: also a per-channel gain on linear attention, folded into W_o
 
     def __post_init__(self):
+        super().__post_init__()
         if not 1 <= self.kernel_size <= 64:
             raise LlmaccelError(f"sla.kernel_size must be in 1..64, got {self.kernel_size}")
         if not self.eps > 0:
@@ -146,6 +148,7 @@ class SLA(Pass):
         if not nodes:
             raise LlmaccelError("sla: the graph has no softmax attention node to replace")
         p0 = next(gm.parameters())
+        orig = snapshot(gm) if c.fit else None
         stats: dict = {"init": c.init}
         fits = [None] * len(nodes)
         if c.init == "fit":
@@ -191,6 +194,13 @@ class SLA(Pass):
             "state_bytes_per_sequence": state,             # fp32 S, z + bf16 conv tail, all layers
             "break_even_tokens": round(state / kv_bytes, 1),
         })
+        if c.fit:
+            gm.graph.lint()
+            gm.recompile()
+            unfitted = snapshot(gm)
+            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, nodes, c.fit_damp), "sla fit")
+            if c.fit_report_tokens:
+                stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
         return PassResult(gm, len(nodes), stats)
 
 

@@ -1,0 +1,243 @@
+"""Layer-local fitting shared by the approximate passes (gqa, sla, repbn, bitlinear): not a pass.
+
+After a pass has made its replacement (its closed-form initialisation), `PASS.fit=true` fits the
+new parameters of every replaced module so that it reproduces the original module's outputs,
+layer by layer, with no backprop through the network:
+
+- the graph runs once over the calibration batch, node by node (an fx Interpreter); when a
+  replaced module's output node is reached, its inputs are the values the already-fitted layers
+  before it produce (GPTQ's "sequential" order), the pass's fit callback fits the module on them
+  against the original module's output on the same inputs, and the run goes on with the fitted
+  module's output;
+- each fit is closed-form or a GPTQ-style solve (least squares in the metric of the readers),
+  so a 135M model fits in a minute or two on a CPU.
+
+With `PASS.fit_report_tokens > 0` the pass's stats also hold the model's quality before and after
+fitting on every evaluation domain (llmaccel/eval/domains.py: wikitext2's second half and texts
+of other domains that no calibration ever reads).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from llmaccel import ops
+from llmaccel.errors import LlmaccelError
+from llmaccel.eval.domains import compare, domain_tokens, graph_forward
+from llmaccel.ir import is_op, replace_weight, weight_of
+
+
+@dataclass
+class FitOptions:
+    """Options every fitting pass shares (`--set PASS.fit=true` ...)."""
+    fit: bool = False            # layer-local fitting of the replaced modules (module docstring)
+    fit_samples: int = 16        # calibration windows the fit runs on (one batch)
+    fit_seq_len: int = 256
+    fit_damp: float = 0.01       # ridge of the least-squares fits, relative to the mean diagonal
+    fit_report_tokens: int = 2048  # tokens per domain of the before/after report (0: none)
+
+    def __post_init__(self):
+        if self.fit_samples < 1 or self.fit_seq_len < 2:
+            raise LlmaccelError("fit_samples must be >= 1 and fit_seq_len >= 2")
+        if not 0 <= self.fit_damp < 1:
+            raise LlmaccelError(f"fit_damp must be in [0, 1), got {self.fit_damp}")
+        if self.fit_report_tokens < 0:
+            raise LlmaccelError(f"fit_report_tokens must not be negative, got {self.fit_report_tokens}")
+
+
+def snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph as it is now, sharing today's weight tensors: rewrites that install new tensors
+    (ir.replace_weight, set_weight) leave the snapshot as it was. No weight is copied."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name="snapshot")
+
+
+def subgraph(gm: torch.fx.GraphModule, inputs: list[str], output: str) -> torch.fx.GraphModule:
+    """A module sharing gm's weights that computes node `output` from the nodes named `inputs`
+    (its arguments, in order). Any other placeholder it needs (the attention context) is None:
+    a whole-sequence forward without a cache."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    missing = [n for n in (*inputs, output) if n not in by_name]
+    if missing:
+        raise LlmaccelError(f"fit: nodes {missing} are not in the graph")
+    stop = {by_name[n] for n in inputs}
+    need, todo = set(), [by_name[output]]
+    while todo:
+        n = todo.pop()
+        if n in need:
+            continue
+        need.add(n)
+        if n not in stop:
+            todo.extend(n.all_input_nodes)
+    g = torch.fx.Graph()
+    env = {by_name[name]: g.placeholder(name) for name in inputs}
+    for n in gm.graph.nodes:
+        if n in need and n not in env:
+            env[n] = None if n.op == "placeholder" else g.node_copy(n, lambda a: env[a])
+    g.output(env[by_name[output]])
+    return torch.fx.GraphModule(gm, g, class_name="fit_subgraph")
+
+
+class _Sequential(torch.fx.Interpreter):
+    """Runs gm on the calibration batch; at a site node its callback returns the node's value
+    (after fitting the module that ends there). Values of `keep` nodes stay available in
+    `kept` for later sites. Nodes after the last site are skipped (the logits are not needed)."""
+
+    def __init__(self, gm, sites: dict, keep: set, bar):
+        super().__init__(gm)
+        self.sites, self.pending, self.keep, self.bar = sites, set(sites), keep, bar
+        self.kept: dict = {}
+
+    def run_node(self, n):
+        if not self.pending:
+            return None
+        if n in self.sites:
+            val = self.sites[n](self, n)
+            self.pending.discard(n)
+            self.bar.update(1)
+        else:
+            val = super().run_node(n)
+        if n in self.keep:
+            self.kept[n] = val
+        return val
+
+    def value(self, n: torch.fx.Node):
+        return self.kept[n] if n in self.kept else self.env[n]
+
+
+def run_sequential(gm: torch.fx.GraphModule, ids: torch.Tensor,
+                   sites: dict[torch.fx.Node, Callable], keep: set, progress, desc: str) -> float:
+    """One node-by-node run of gm over ids (B, T), fitting at each site. Returns seconds."""
+    t0 = time.perf_counter()
+    bar = progress(None, desc=desc, total=len(sites))
+    with torch.no_grad():
+        _Sequential(gm, sites, keep, bar).run(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
+    bar.close()
+    return time.perf_counter() - t0
+
+
+def fit_sites(gm: torch.fx.GraphModule, ctx, c: FitOptions, make_sites, desc: str) -> dict:
+    """Run the sequential fit: make_sites(errs, updates) -> (sites, keep); each site callback
+    appends (error before, error after) to errs and the weight rewrites to apply to updates
+    (applied after the run: the graph is not changed while the interpreter walks it)."""
+    ids = ctx.calib_tokens(c.fit_samples, c.fit_seq_len).to(ctx.device)
+    errs: list[tuple[float, float]] = []
+    updates: list[Callable[[], None]] = []
+    sites, keep = make_sites(errs, updates)
+    seconds = run_sequential(gm, ids, sites, keep, ctx.progress, desc)
+    for u in updates:
+        u()
+    gm.graph.lint()
+    gm.recompile()
+    return fit_stats(errs, seconds, ids)
+
+
+def _attention_input(att: torch.fx.Node) -> torch.fx.Node:
+    """The node the attention's q projection reads (through RoPE and a fused split)."""
+    q = att.args[0]
+    if is_op(q, ops.rope):
+        q = q.args[0]
+    if is_op(q, operator.getitem):
+        q = q.args[0].args[0]   # getitem(split(linear))
+    if not is_op(q, ops.linear):
+        raise LlmaccelError(f"fit: layer {att.kwargs['layer']}'s q is not a float linear")
+    return q.args[0]
+
+
+def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: list[torch.fx.Node],
+                    damp: float):
+    """make_sites for passes that replace attention (gqa, sla): at each attention's output
+    linear W_o, refit W_o by least squares so that W_o(new attention(x)) matches the original
+    W_o(softmax attention(x)) on the inputs x at hand. W_o is the map from the new attention's
+    heads back to the residual stream, so this fits the merged values (gqa) or the linear
+    attention's gain (sla, a full matrix here) to the attention block's outputs."""
+    pos = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    orig_nodes = {n.name: n for n in orig.graph.nodes}
+
+    def make(errs, updates):
+        sites, keep = {}, {pos}
+        for att in atts:
+            users = list(att.users)
+            if len(users) != 1 or not is_op(users[0], ops.linear) or users[0].args[0] is not att:
+                continue   # no plain output linear to refit (e.g. quantized): left as it is
+            x, o = _attention_input(att), users[0]
+            keep.add(x)
+            sub = subgraph(orig, [x.name, pos.name], att.name)
+            o0 = orig_nodes[o.name]
+            w0 = weight_of(orig, o0.args[1])
+            b0 = weight_of(orig, o0.args[2] if len(o0.args) > 2 else None)
+            sites[o] = _o_refit(gm, sub, w0, b0, x, pos, damp, errs, updates)
+        return sites, keep
+    return make
+
+
+def _o_refit(gm, sub, w0, b0, x, pos, damp, errs, updates):
+    def site(interp, o):
+        z = interp.value(o.args[0])
+        y = F.linear(sub(interp.value(x), interp.value(pos)), w0, b0).float()
+        w = weight_of(gm, o.args[1])
+        b = weight_of(gm, o.args[2] if len(o.args) > 2 else None)
+        old = F.linear(z, w, b)
+        target = y - (0 if b is None else b.float())
+        new_w = ridge_refit(w, z.flatten(0, -2), target.flatten(0, -2), damp)
+        new = F.linear(z, new_w, b)
+        before, after = rel_err(old, y), rel_err(new, y)
+        errs.append((before, min(before, after)))
+        if after >= before:
+            return old
+
+        def write():
+            o.args = (o.args[0], replace_weight(gm, o.args[1], new_w, o), *o.args[2:])
+        updates.append(write)
+        return new.to(old.dtype)
+    return site
+
+
+def ridge_refit(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, damp: float) -> torch.Tensor:
+    """W' = argmin ||y - x W'ᵀ||² + λ||W' - W||², λ = damp × mean diagonal of xᵀx: the linear that
+    best maps the inputs at hand to the targets; the ridge keeps directions the calibration
+    tokens barely excite at their current weights. x (N, K), y (N, M), w (M, K)."""
+    x, y, wd = x.double(), y.double(), w.double()
+    H = x.T @ x
+    lam = damp * H.diagonal().mean() + 1e-12
+    H.diagonal().add_(lam)
+    return torch.linalg.solve(H, x.T @ y + lam * wd.T).T.to(w.dtype)
+
+
+def rel_err(out: torch.Tensor, target: torch.Tensor) -> float:
+    """||out - target||² / ||target||²."""
+    t = target.double()
+    return ((out.double() - t).pow(2).sum() / t.pow(2).sum().clamp_min(1e-30)).item()
+
+
+def quality(ctx, graphs: dict[str, torch.fx.GraphModule], tokens: int) -> dict | str:
+    """ΔPPL, KL and top-1 of each graph against the source on every evaluation domain, or why
+    it was skipped."""
+    src = ctx.source_model
+    if src is None or getattr(src, "tokenizer_dir", None) is None:
+        return "skipped: the source model has no tokenizer (a preset); no domain text to score"
+    t0 = time.perf_counter()
+    toks = domain_tokens(src.tokenizer, tokens)
+    res = compare(graph_forward(src.gm), {k: graph_forward(g) for k, g in graphs.items()}, toks,
+                  device=ctx.device)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def fit_stats(errs: list[tuple[float, float]], seconds: float, ids: torch.Tensor) -> dict:
+    """Mean relative output error of the fitted modules before and after fitting."""
+    n = max(1, len(errs))
+    return {"modules": len(errs), "calib_tokens": int(ids.numel()), "seconds": round(seconds, 1),
+            "rel_err_before": round(sum(e[0] for e in errs) / n, 5),
+            "rel_err_after": round(sum(e[1] for e in errs) / n, 5)}
+
+
+__all__ = ["FitOptions", "snapshot", "subgraph", "run_sequential", "ridge_refit", "rel_err",
+           "quality", "fit_stats"]
