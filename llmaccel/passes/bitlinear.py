@@ -43,7 +43,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops import bitlinear as bl
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.bitlinear_fit import ternary_fit
-from llmaccel.passes.fitting import FitOptions, fit_sites, quality
+from llmaccel.passes.fitting import FitOptions, fit_sites, quality, snapshot
 from llmaccel.ir import add_weight, is_op, op_nodes, prune_weights, weight_of
 
 _TRAIN_OPS = (bl.bitlinear_train, bl.rms_norm_bitlinear_train)
@@ -126,6 +126,7 @@ class Bitlinear(Pass):
             raise LlmaccelError(f"bitlinear: the {fam} graph has no linears named "
                                 f"{c.linears} to convert (quantized already?)")
         bytes_before = sum(_nbytes(weight_of(gm, n.args[1])) for n in lins)   # biases stay as they are
+        orig = snapshot(gm) if c.fit else None
         groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for lin in lins:
             groups.setdefault(lin.args[0], []).append(lin)
@@ -146,7 +147,7 @@ class Bitlinear(Pass):
                 unfitted = _packed_copy(gm)
             stats["fit"] = fit_sites(gm, ctx, c, lambda errs, updates: (
                 {n: ternary_fit(gm, n, c.fit_damp, errs, updates) for n in op_nodes(gm, *_TRAIN_OPS)},
-                set()), "bitlinear fit")
+                set()), "bitlinear fit", orig)
         if "heal" in ctx.later:
             stats["form"] = "training (packed by heal)"
             stats.update(_latent_stats(gm))
@@ -185,6 +186,7 @@ class Bitlinear(Pass):
                                       (x.args[0], x.args[1], w_node, b_node, lam), kw)
             else:
                 out = g.call_function(bl.bitlinear_train, (x, w_node, b_node, lam), kw)
+            out.meta["fit_input"] = x.name   # the original node of its input, for fitting
             if len(group) == 1:
                 first.replace_all_uses_with(out)
             else:

@@ -67,15 +67,16 @@ def _latent(t: torch.Tensor, s: torch.Tensor, scale: str, segments) -> torch.Ten
     return torch.where(nz[:, None] > 0, t * (s / nz.clamp_min(1e-12))[:, None], torch.zeros_like(t))
 
 
-def fit_codes(w: torch.Tensor, h: torch.Tensor, scale: str, segments, damp: float):
-    """(t, s, error before, error after) for weights w (N, K) on inputs h (tokens, K)."""
+def fit_codes(w: torch.Tensor, h: torch.Tensor, h_src: torch.Tensor, scale: str, segments, damp: float):
+    """(t, s, error before, error after) for weights w (N, K) on inputs h (tokens, K), fitted to
+    the outputs h_src wᵀ (h_src: the original model's inputs, or h itself)."""
     q, inv = bl.act_quant(h)
     hq = q / inv
-    y = h @ w.T
+    y = h_src @ w.T
     t0, s0 = bl.ternarize(w, scale, segments)
     best = (t0, s0, rel_err(hq @ (t0 * s0[:, None]).T, y))
     before = best[2]
-    w_star = source_correct(w, h, hq, damp)
+    w_star = source_correct(w, h_src, hq, damp)
     H = hq.T @ hq
     s = s0
     for _ in range(_ROUNDS):
@@ -101,7 +102,9 @@ def ternary_fit(gm, n, damp: float, errs: list, updates: list):
         h = rms_norm(x, args[1], eps=node.kwargs["eps"]) if fused else x
         w = args[w_i]
         sc, seg = node.kwargs["scale"], node.kwargs["segments"]
-        t, s, before, after = fit_codes(w.float(), h.reshape(-1, h.shape[-1]).float(), sc, seg, damp)
+        h_src = h if interp.source is None else interp.source.value(node.meta["fit_input"])
+        flat = lambda t: t.reshape(-1, t.shape[-1]).float()  # noqa: E731
+        t, s, before, after = fit_codes(w.float(), flat(h), flat(h_src), sc, seg, damp)
         errs.append((before, after))
         latent = _latent(t, s, sc, seg).to(w.dtype)
         args[w_i] = latent

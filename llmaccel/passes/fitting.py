@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import operator
 
@@ -39,6 +39,10 @@ from llmaccel.ir import is_op, replace_weight, weight_of
 class FitOptions:
     """Options every fitting pass shares (`--set PASS.fit=true` ...)."""
     fit: bool = False            # layer-local fitting of the replaced modules (module docstring)
+    # what a module is fitted to: `source`, the original model's output at that module on the
+    # same text (so a module also absorbs the drift of the fitted layers before it); `local`,
+    # the original module's output on the inputs the fitted layers before it produce
+    fit_target: Literal["source", "local"] = "source"
     fit_samples: int = 16        # calibration windows the fit runs on (one batch)
     fit_seq_len: int = 256
     fit_damp: float = 0.01       # ridge of the least-squares fits, relative to the mean diagonal
@@ -85,15 +89,40 @@ def subgraph(gm: torch.fx.GraphModule, inputs: list[str], output: str) -> torch.
     return torch.fx.GraphModule(gm, g, class_name="fit_subgraph")
 
 
+class Source:
+    """The original graph run over the same batch, lazily: `value(name)` advances it node by node
+    until that node is computed (sites ask in graph order), freeing values as fx does."""
+
+    def __init__(self, gm: torch.fx.GraphModule, args: tuple):
+        self.interp = torch.fx.Interpreter(gm)
+        self.interp.env, self.interp.args_iter = {}, iter(args)
+        self.nodes = iter(gm.graph.nodes)
+        self.seen: dict = {}
+
+    def value(self, name: str) -> torch.Tensor:
+        it = self.interp
+        while name not in self.seen:
+            n = next(self.nodes, None)
+            if n is None or n.op == "output":
+                raise LlmaccelError(f"fit: the original graph has no node {name}")
+            it.env[n] = it.run_node(n)
+            self.seen[n.name] = it.env[n]
+            for dead in it.user_to_last_uses.get(n, []):
+                it.env.pop(dead, None)
+                self.seen.pop(dead.name, None)
+        return self.seen.pop(name)
+
+
 class _Sequential(torch.fx.Interpreter):
     """Runs gm on the calibration batch; at a site node its callback returns the node's value
     (after fitting the module that ends there). Values of `keep` nodes stay available in
     `kept` for later sites. Nodes after the last site are skipped (the logits are not needed)."""
 
-    def __init__(self, gm, sites: dict, keep: set, bar):
+    def __init__(self, gm, sites: dict, keep: set, bar, source: Source | None):
         super().__init__(gm)
         self.sites, self.pending, self.keep, self.bar = sites, set(sites), keep, bar
         self.kept: dict = {}
+        self.source = source   # the original graph on the same batch (fit_target=source)
 
     def run_node(self, n):
         if not self.pending:
@@ -112,18 +141,21 @@ class _Sequential(torch.fx.Interpreter):
         return self.kept[n] if n in self.kept else self.env[n]
 
 
-def run_sequential(gm: torch.fx.GraphModule, ids: torch.Tensor,
-                   sites: dict[torch.fx.Node, Callable], keep: set, progress, desc: str) -> float:
-    """One node-by-node run of gm over ids (B, T), fitting at each site. Returns seconds."""
+def run_sequential(gm: torch.fx.GraphModule, ids: torch.Tensor, sites: dict[torch.fx.Node, Callable],
+                   keep: set, progress, desc: str, orig: torch.fx.GraphModule | None = None) -> float:
+    """One node-by-node run of gm over ids (B, T), fitting at each site; with `orig`, the
+    original graph runs alongside (Source). Returns seconds."""
     t0 = time.perf_counter()
     bar = progress(None, desc=desc, total=len(sites))
+    args = (ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
     with torch.no_grad():
-        _Sequential(gm, sites, keep, bar).run(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
+        _Sequential(gm, sites, keep, bar, Source(orig, args) if orig is not None else None).run(*args)
     bar.close()
     return time.perf_counter() - t0
 
 
-def fit_sites(gm: torch.fx.GraphModule, ctx, c: FitOptions, make_sites, desc: str) -> dict:
+def fit_sites(gm: torch.fx.GraphModule, ctx, c: FitOptions, make_sites, desc: str,
+              orig: torch.fx.GraphModule) -> dict:
     """Run the sequential fit: make_sites(errs, updates) -> (sites, keep); each site callback
     appends (error before, error after) to errs and the weight rewrites to apply to updates
     (applied after the run: the graph is not changed while the interpreter walks it)."""
@@ -131,7 +163,8 @@ def fit_sites(gm: torch.fx.GraphModule, ctx, c: FitOptions, make_sites, desc: st
     errs: list[tuple[float, float]] = []
     updates: list[Callable[[], None]] = []
     sites, keep = make_sites(errs, updates)
-    seconds = run_sequential(gm, ids, sites, keep, ctx.progress, desc)
+    seconds = run_sequential(gm, ids, sites, keep, ctx.progress, desc,
+                             orig if c.fit_target == "source" else None)
     for u in updates:
         u()
     gm.graph.lint()
@@ -151,13 +184,14 @@ def _attention_input(att: torch.fx.Node) -> torch.fx.Node:
     return q.args[0]
 
 
-def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: list[torch.fx.Node],
-                    damp: float):
+def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: list[torch.fx.Node]):
     """make_sites for passes that replace attention (gqa, sla): at each attention's output
     linear W_o, refit W_o by least squares so that W_o(new attention(x)) matches the original
-    W_o(softmax attention(x)) on the inputs x at hand. W_o is the map from the new attention's
-    heads back to the residual stream, so this fits the merged values (gqa) or the linear
-    attention's gain (sla, a full matrix here) to the attention block's outputs."""
+    W_o(softmax attention(x)) (fit_target=local; with `source`, the original model's W_o output on
+    the same text). W_o is the map from the new attention's heads back to the residual stream,
+    so this fits the merged values' read-out (gqa) or the linear attention's gain (sla, a full
+    matrix here) to the attention block's outputs; its ridge is chosen on held-out tokens
+    (ridge_refit_validated)."""
     pos = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
     orig_nodes = {n.name: n for n in orig.graph.nodes}
 
@@ -173,20 +207,24 @@ def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: 
             o0 = orig_nodes[o.name]
             w0 = weight_of(orig, o0.args[1])
             b0 = weight_of(orig, o0.args[2] if len(o0.args) > 2 else None)
-            sites[o] = _o_refit(gm, sub, w0, b0, x, pos, damp, errs, updates)
+            sites[o] = _o_refit(gm, sub, w0, b0, x, pos, errs, updates)
         return sites, keep
     return make
 
 
-def _o_refit(gm, sub, w0, b0, x, pos, damp, errs, updates):
+def _o_refit(gm, sub, w0, b0, x, pos, errs, updates):
     def site(interp, o):
         z = interp.value(o.args[0])
-        y = F.linear(sub(interp.value(x), interp.value(pos)), w0, b0).float()
+        if interp.source is not None:
+            y = interp.source.value(o.name).float()
+        else:
+            y = F.linear(sub(interp.value(x), interp.value(pos)), w0, b0).float()
+        interp.kept.pop(x, None)   # read by this site only
         w = weight_of(gm, o.args[1])
         b = weight_of(gm, o.args[2] if len(o.args) > 2 else None)
         old = F.linear(z, w, b)
         target = y - (0 if b is None else b.float())
-        new_w = ridge_refit(w, z.flatten(0, -2), target.flatten(0, -2), damp)
+        new_w = ridge_refit_validated(w, z.flatten(0, -2).float(), target.flatten(0, -2))
         new = F.linear(z, new_w, b)
         before, after = rel_err(old, y), rel_err(new, y)
         errs.append((before, min(before, after)))
@@ -209,6 +247,24 @@ def ridge_refit(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, damp: float) 
     lam = damp * H.diagonal().mean() + 1e-12
     H.diagonal().add_(lam)
     return torch.linalg.solve(H, x.T @ y + lam * wd.T).T.to(w.dtype)
+
+
+_DAMPS = (0.01, 0.1, 1.0, 10.0, 100.0)
+
+
+def ridge_refit_validated(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ridge_refit with its damping chosen on held-out tokens: fitted on the first half of the
+    rows for each damping of _DAMPS, scored on the second half; the best is refitted on all rows.
+    If no damping beats w itself on the held-out half, w is returned: a linear with as many
+    weights as the calibration has tokens overfits them otherwise."""
+    half = x.shape[0] // 2
+    xa, ya, xb, yb = x[:half], y[:half], x[half:], y[half:]
+    best, best_err = None, rel_err(xb @ w.T.to(xb.dtype), yb)
+    for d in _DAMPS:
+        err = rel_err(xb @ ridge_refit(w, xa, ya, d).T.to(xb.dtype), yb)
+        if err < best_err:
+            best, best_err = d, err
+    return w if best is None else ridge_refit(w, x, y, best)
 
 
 def rel_err(out: torch.Tensor, target: torch.Tensor) -> float:
@@ -236,7 +292,8 @@ def fit_stats(errs: list[tuple[float, float]], seconds: float, ids: torch.Tensor
     n = max(1, len(errs))
     return {"modules": len(errs), "calib_tokens": int(ids.numel()), "seconds": round(seconds, 1),
             "rel_err_before": round(sum(e[0] for e in errs) / n, 5),
-            "rel_err_after": round(sum(e[1] for e in errs) / n, 5)}
+            "rel_err_after": round(sum(e[1] for e in errs) / n, 5),
+            "per_module": [[round(b, 5), round(a, 5)] for b, a in errs]}
 
 
 __all__ = ["FitOptions", "snapshot", "subgraph", "run_sequential", "ridge_refit", "rel_err",

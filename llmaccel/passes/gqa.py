@@ -167,7 +167,7 @@ class GQA(Pass):
             gm.recompile()
             unfitted = snapshot(gm)
             atts = op_nodes(gm, ops.attention)
-            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts, c.fit_damp), "gqa fit")
+            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts), "gqa fit", orig)
             if c.fit_report_tokens:
                 stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
         return PassResult(gm, len(sites), stats)

@@ -44,7 +44,7 @@ from llmaccel.ir import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.fitting import FitOptions, fit_sites, quality
+from llmaccel.passes.fitting import FitOptions, fit_sites, quality, snapshot
 from llmaccel.ir import (add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights,
                          replace_weight, weight_of)
 
@@ -144,6 +144,7 @@ def _to_blend(gm, norm: torch.fx.Node, mean, var, ramp: float, dtype: torch.dtyp
                                                           be_node, lam_node, *bounds),
                                        {"kind": kind, "eps": norm.kwargs["eps"]})
     blend.meta["repbn_ramp"] = ramp
+    blend.meta["repbn_norm"] = norm.name   # the original node, for fitting to the source
     norm.replace_all_uses_with(blend)
     gm.graph.erase_node(norm)
     return blend
@@ -263,7 +264,12 @@ def _affine_fit(gm, damp: float, errs: list, updates: list):
         D = x.shape[-1]
         h = x.detach().reshape(-1, D).double().cpu()
         xb = h if lo is None else torch.clamp(h, lo.double().cpu(), hi.double().cpu())
-        norm = ops.rms_norm(x, nw, eps=eps) if n.kwargs["kind"] == "rms" else ops.layer_norm(x, nw, nb, eps=eps)
+        if interp.source is not None:
+            norm = interp.source.value(n.meta["repbn_norm"])
+        elif n.kwargs["kind"] == "rms":
+            norm = ops.rms_norm(x, nw, eps=eps)
+        else:
+            norm = ops.layer_norm(x, nw, nb, eps=eps)
         y = norm.reshape(-1, D).double().cpu()
         M = _reader_metric(gm, n, D)
         mean, var = mean.double().cpu(), var.double().cpu()
@@ -337,6 +343,7 @@ class RepBN(Pass):
         with torch.no_grad():
             cal.run(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
         dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
+        orig = snapshot(gm) if c.fit else None
         for n in norms:
             bounds = _clamp_bounds(gm, n, *cal.ranges[n.name], c.clamp, dtype) if c.clamp else ()
             _to_blend(gm, n, *cal.stats[n.name], ramp=c.ramp, dtype=dtype, bounds=bounds)
@@ -351,7 +358,7 @@ class RepBN(Pass):
                 unfitted.recompile()
             fit_st = fit_sites(gm, ctx, c, lambda errs, updates: (
                 {n: _affine_fit(gm, c.fit_damp, errs, updates) for n in op_nodes(gm, rops.repbn_blend)},
-                set()), "repbn fit")
+                set()), "repbn fit", orig)
         training = "heal" in ctx.later
         # The inference form is what ships either way: in the training form it is previewed
         # on a copy so that the figures below describe the model heal will finish into.

@@ -198,7 +198,7 @@ class SLA(Pass):
             gm.graph.lint()
             gm.recompile()
             unfitted = snapshot(gm)
-            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, nodes, c.fit_damp), "sla fit")
+            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, nodes), "sla fit", orig)
             if c.fit_report_tokens:
                 stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
         return PassResult(gm, len(nodes), stats)
