@@ -17,6 +17,7 @@ form, start from the fitted point.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,6 @@ import torch
 from llmaccel.ir import replace_weight
 from llmaccel.ops import bitlinear as bl
 from llmaccel.ops import rms_norm
-from llmaccel.passes.fitting import rel_err
 from llmaccel.quant.algorithms import Grid, gptq, source_correct
 
 _ROUNDS = 2
@@ -67,27 +67,54 @@ def _latent(t: torch.Tensor, s: torch.Tensor, scale: str, segments) -> torch.Ten
     return torch.where(nz[:, None] > 0, t * (s / nz.clamp_min(1e-12))[:, None], torch.zeros_like(t))
 
 
+class _OutputError:
+    """||h_src wᵀ - ĥ qᵀ||² / ||h_src wᵀ||² for any q (N, K), from K×K products only:
+    tr(w Hs wᵀ) - 2 tr(w C qᵀ) + tr(q H qᵀ), Hs = h_srcᵀh_src, C = h_srcᵀĥ, H = ĥᵀĥ."""
+
+    def __init__(self, w, h_src, hq, H):
+        self.wC = w @ (h_src.T @ hq)
+        self.H = H
+        self.ref = ((w @ (h_src.T @ h_src)) * w).sum().item()
+
+    def __call__(self, q: torch.Tensor) -> float:
+        err = self.ref - 2 * (self.wC * q).sum().item() + ((q @ self.H) * q).sum().item()
+        return max(err, 0.0) / max(self.ref, 1e-30)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """GPTQ's column loop is many small ops: one thread is faster than two there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def fit_codes(w: torch.Tensor, h: torch.Tensor, h_src: torch.Tensor, scale: str, segments, damp: float):
     """(t, s, error before, error after) for weights w (N, K) on inputs h (tokens, K), fitted to
     the outputs h_src wᵀ (h_src: the original model's inputs, or h itself)."""
     q, inv = bl.act_quant(h)
     hq = q / inv
-    y = h_src @ w.T
+    H = hq.T @ hq
+    err = _OutputError(w, h_src, hq, H)
     t0, s0 = bl.ternarize(w, scale, segments)
-    best = (t0, s0, rel_err(hq @ (t0 * s0[:, None]).T, y))
+    best = (t0, s0, err(t0 * s0[:, None]))
     before = best[2]
     w_star = source_correct(w, h_src, hq, damp)
-    H = hq.T @ hq
     s = s0
     for _ in range(_ROUNDS):
         grid = _TernaryGrid(bits=2, gs=w.shape[1], row_scale=s)
-        codes, _, _ = gptq(w_star, H, grid, act_order=True, damp=damp)
+        with _one_thread():
+            codes, _, _ = gptq(w_star, H, grid, act_order=True, damp=damp)
         t = codes[:, : w.shape[1]] - 1
-        for s_try in (s, _refit(w_star, t, H, scale, segments)):
-            err = rel_err(hq @ (t * s_try[:, None]).T, y)
-            if err < best[2]:
-                best = (t, s_try, err)
-        s = _refit(w_star, t, H, scale, segments)
+        s_new = _refit(w_star, t, H, scale, segments)
+        for s_try in (s, s_new):
+            e = err(t * s_try[:, None])
+            if e < best[2]:
+                best = (t, s_try, e)
+        s = s_new
     return best[0], best[1], before, best[2]
 
 

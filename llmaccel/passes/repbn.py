@@ -66,6 +66,7 @@ class RepBNConfig(FitOptions):
     clamp: float = 1.0
     time_reps: int = 5       # timed forwards before/after (median); 0 skips timing
     time_tokens: int = 128   # tokens of the timed forward (batch 1)
+    fit_shift: bool = True   # fit: a per-channel shift besides the scale (false: scale only)
 
     def __post_init__(self):
         super().__post_init__()
@@ -234,11 +235,17 @@ def _reader_metric(gm, node: torch.fx.Node, D: int) -> torch.Tensor:
 
 
 def solve_affine(x: torch.Tensor, y: torch.Tensor, M: torch.Tensor, a0: torch.Tensor,
-                 c0: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 c0: torch.Tensor, damp: float, shift: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel a, c minimising Σ_t (x_t∘a + c - y_t)ᵀ M (x_t∘a + c - y_t) + λ||(a, c) - (a0, c0)||²
     over tokens x, y (N, D): the 2D normal equations, written with Hadamard products
-    (Σ_t diag(x_t) M diag(x_t) = M ∘ XᵀX). float64."""
+    (Σ_t diag(x_t) M diag(x_t) = M ∘ XᵀX). float64. shift=False: c = 0 (a scale only, as an
+    RMSNorm has no shift)."""
     N, D = x.shape
+    if not shift:
+        A = M * (x.T @ x)
+        lam = damp * A.diagonal().mean() + 1e-12
+        A.diagonal().add_(lam)
+        return torch.linalg.solve(A, (M * (x.T @ y)).sum(1) + lam * a0), torch.zeros_like(c0)
     sx, sy = x.sum(0), y.sum(0)
     A = torch.empty(2 * D, 2 * D, dtype=torch.float64)
     A[:D, :D] = M * (x.T @ x)
@@ -252,7 +259,7 @@ def solve_affine(x: torch.Tensor, y: torch.Tensor, M: torch.Tensor, a0: torch.Te
     return sol[:D], sol[D:]
 
 
-def _affine_fit(gm, damp: float, errs: list, updates: list):
+def _affine_fit(gm, damp: float, shift: bool, errs: list, updates: list):
     """Fit callback of one repbn_blend (at lam = 0, the BN): its folded affine a·x + c fitted to
     the norm's outputs on the inputs at hand, in the metric of the norm's readers; written back
     as the BN's gamma and beta (the calibrated statistics stay)."""
@@ -275,7 +282,7 @@ def _affine_fit(gm, damp: float, errs: list, updates: list):
         mean, var = mean.double().cpu(), var.double().cpu()
         a0 = torch.rsqrt(var + eps) * g.double().cpu()
         c0 = beta.double().cpu() - mean * a0
-        a, c_ = solve_affine(xb, y, M, a0, c0, damp)
+        a, c_ = solve_affine(xb, y, M, a0, c0, damp, shift)
 
         def err(a, c_):
             r = xb * a + c_ - y
@@ -357,7 +364,7 @@ class RepBN(Pass):
                 unfitted.graph.lint()
                 unfitted.recompile()
             fit_st = fit_sites(gm, ctx, c, lambda errs, updates: (
-                {n: _affine_fit(gm, c.fit_damp, errs, updates) for n in op_nodes(gm, rops.repbn_blend)},
+                {n: _affine_fit(gm, c.fit_damp, c.fit_shift, errs, updates) for n in op_nodes(gm, rops.repbn_blend)},
                 set()), "repbn fit", orig)
         training = "heal" in ctx.later
         # The inference form is what ships either way: in the training form it is previewed
