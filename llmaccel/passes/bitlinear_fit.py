@@ -17,7 +17,6 @@ form, start from the fitted point.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from llmaccel.ir import replace_weight
 from llmaccel.ops import bitlinear as bl
 from llmaccel.ops import rms_norm
+from llmaccel.passes.quant import one_thread
 from llmaccel.quant.algorithms import Grid, gptq, source_correct
 
 _ROUNDS = 2
@@ -81,17 +81,6 @@ class _OutputError:
         return max(err, 0.0) / max(self.ref, 1e-30)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """GPTQ's column loop is many small ops: one thread is faster than two there."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def fit_codes(w: torch.Tensor, h: torch.Tensor, h_src: torch.Tensor, scale: str, segments, damp: float):
     """(t, s, error before, error after) for weights w (N, K) on inputs h (tokens, K), fitted to
     the outputs h_src wᵀ (h_src: the original model's inputs, or h itself)."""
@@ -106,7 +95,7 @@ def fit_codes(w: torch.Tensor, h: torch.Tensor, h_src: torch.Tensor, scale: str,
     s = s0
     for _ in range(_ROUNDS):
         grid = _TernaryGrid(bits=2, gs=w.shape[1], row_scale=s)
-        with _one_thread():
+        with one_thread():
             codes, _, _ = gptq(w_star, H, grid, act_order=True, damp=damp)
         t = codes[:, : w.shape[1]] - 1
         s_new = _refit(w_star, t, H, scale, segments)

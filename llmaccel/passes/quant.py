@@ -160,7 +160,7 @@ class _Calibrated(torch.fx.Interpreter):
 
 
 @contextlib.contextmanager
-def _one_thread():
+def one_thread():
     """The searches and GPTQ's column loop are many small ops: one thread is several times
     faster than two there (thread hand-offs dominate), most of all on a loaded machine; the
     large products around them (Hessians, the group's outputs over every calibration token)
@@ -211,7 +211,7 @@ class _Quantizer:
         if "awq" in c.method:
             sink = find_sink(xnode, group, self.mc.n_heads, self.mc.n_kv_heads, c.gqa_o)
             if isinstance(sink, tuple) and (sink[0] == "norm" or sink[1] in self.records):
-                with _one_thread():
+                with one_thread():
                     s = awq_scale(sub, ws, grid, tie=sink[3] if sink[0] == "rows" else None, duo=c.awq_duo)
                 ws = [w * s for w in ws]
                 xs, sub = xs / s, sub / s
@@ -219,7 +219,7 @@ class _Quantizer:
             else:
                 self.awq_skipped[stem] = sink if isinstance(sink, str) else "producer not quantized"
             if c.bits == 4 and c.awq_clip:
-                with _one_thread():
+                with one_thread():
                     ws = [awq_clip(sub, w, grid) for w in ws]
                 # the clip search chose ranges for min/max rounding: keep that rounding
                 grid = self.grid(K, search=False)
@@ -228,7 +228,7 @@ class _Quantizer:
         w_all = torch.cat(ws, 0)
         H = None if xs is None else xs.T @ xs
         if "gptq" in c.method:
-            with _one_thread():
+            with one_thread():
                 q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp)
         else:
             scale, zero = grid.params(w_all, None if H is None else H.diagonal())
