@@ -43,9 +43,12 @@ class DecodeSteps:
         caller its own work: the next step() resolves it), then apply this group's tokens to
         the rows still running."""
         toks_all, lps_all = self.runner.collect(grp)
-        self._pending = self._continue(seqs, grp)
+        nxt = self._continue(seqs, grp)
         n, bm = grp.n, self.bm
         self.stats["decode_steps"] += n
+        # the next group goes on from these tokens: it is kept only if all of them are applied
+        # (a failure here leaves the rows' host state behind the device's; the next step then
+        # launches from the host state again)
         for i, (seq, toks) in enumerate(zip(seqs, toks_all)):
             if seq.finished:  # aborted, or ended by the group before: its tokens are dropped
                 continue
@@ -55,15 +58,16 @@ class DecodeSteps:
             if seq.finished:
                 self.sched.finish(seq)
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], bm.num_used)
+        self._pending = nxt
 
     def _continue(self, seqs: list[Sequence], grp):
         """(seqs, the next group launched) when the next step would decode the same rows: no
-        request waits to be admitted, no draft would propose, a row has tokens left after this
+        waiting request could be admitted now, no draft would propose, a row has tokens left after this
         group, and blocks are free for the next positions; else None. A row that ends within this group (an EOS, a
         stop string: not known yet) computes the next group for nothing, as after an EOS inside
         a group; a row known to end (max_tokens, abort) becomes a padding row."""
-        if self.sched.waiting or self.bm.copies or self.draft is not None:
-            return None  # the next step admits, copies blocks, or lets the draft propose
+        if self.bm.copies or self.draft is not None or self._admissible():
+            return None  # the next step copies blocks, lets the draft propose, or admits
         k, bm = grp.n, self.bm
         left = {id(s): min(s.params.max_tokens - s.n_output, self.cfg.max_position - len(s.token_ids)) - k
                 for s in seqs if not s.finished}
@@ -83,3 +87,11 @@ class DecodeSteps:
                 bm.trim(s, s.num_computed + k)
             return None
         return seqs, nxt
+
+    def _admissible(self) -> bool:
+        """Whether the scheduler would admit the first waiting request now (a free sequence slot
+        and blocks for its tokens): then the next step schedules instead of decoding on. A
+        saturated engine (every slot taken) keeps its groups overlapped."""
+        w = self.sched.waiting
+        return bool(w) and len(self.sched.running) < self.sched.max_num_seqs and \
+            self.bm.blocks_for(len(w[0].token_ids)) <= self.bm.num_free

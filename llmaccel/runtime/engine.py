@@ -314,9 +314,11 @@ class LLM(DecodeSteps):
     def step(self) -> None:
         if self._pending is not None:  # a decode group launched by the last step
             (seqs, grp), self._pending = self._pending, None
-            self.stats["steps"] += 1
             self._resolve(seqs, grp)
-            return
+            if self._pending is not None:  # and the next one launched: that was this step
+                self.stats["steps"] += 1
+                return
+            # the pipeline ended (rows ended, a request to admit): this step schedules too
         batch, too_long = self.sched.schedule()
         for seq in too_long:  # alone it would not fit in the whole cache
             seq.finish_reason = "length"

@@ -68,3 +68,50 @@ def test_abort_and_new_requests_between_pipelined_steps(tiny, prompts):
         assert s.output_ids == list(tiny.generate_ids(p, long))
     llm.step()  # resolves a group left in flight, if any
     assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_a_saturated_engine_keeps_its_groups_overlapped(tiny, prompts):
+    # two slots, four requests: the waiting ones cannot be admitted until a row ends
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    llm = LLM(tiny, max_num_seqs=2)
+    outs = llm.generate(prompts[:4], params)
+    assert llm.runner.relaunches >= llm.runner.launches
+    for p, o in zip(prompts[:4], outs):
+        assert o.token_ids == list(tiny.generate_ids(p, params))
+
+
+def test_a_group_left_in_flight_costs_the_next_request_no_step(tiny, prompts):
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    refs = [list(tiny.generate_ids(p, long)) for p in prompts[:3]]
+    llm = LLM(tiny, max_num_seqs=4)
+    llm.eos = {r[9] for r in refs}  # every row ends by an EOS in its second group
+    llm.generate(prompts[:3], SamplingParams(max_tokens=30))
+    steps = llm.metrics()["steps"]
+    out = llm.generate([prompts[4]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert llm.metrics()["steps"] == steps + 1  # the group left in flight resolved in that step
+    assert out.token_ids == list(tiny.generate_ids(prompts[4], SamplingParams(max_tokens=1, ignore_eos=True)))
+
+
+def test_a_failure_in_the_bookkeeping_does_not_leave_a_group_running_ahead(tiny, prompts):
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    llm = LLM(tiny, max_num_seqs=8)
+    seqs = [llm.add_request(p, long) for p in prompts[:4]]
+    real, calls = llm._append, []
+
+    def flaky(seq, toks, lps=None):
+        calls.append(1)
+        if len(calls) == 6:  # the second row of a decode group
+            raise RuntimeError("injected")
+        return real(seq, toks, lps)
+    llm._append = flaky
+    with pytest.raises(RuntimeError, match="injected"):
+        while llm.has_unfinished():
+            llm.step()
+    assert llm._pending is None  # nothing launched from tokens that were not applied
+    llm._append = real
+    llm.abort(seqs[1])  # the row whose bookkeeping failed (a server fails its request)
+    while llm.has_unfinished():
+        llm.step()
+    # the rows after it, whose tokens were not applied, go on from their host state
+    for s, p in zip(seqs[:1] + seqs[2:], prompts[:1] + prompts[2:4]):
+        assert s.output_ids == list(tiny.generate_ids(p, long))
