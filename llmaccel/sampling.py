@@ -134,8 +134,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         return logits.argmax(-1) if kern is None else kern.argmax_triton(logits)
     if mode not in ("sample", "filter"):
         raise ValueError(f"mode must be greedy, sample or filter, got {mode!r}")
-    if mode == "sample":  # one round: no filter can reject the draw
-        top_k, top_p = torch.zeros_like(top_k), torch.ones_like(top_p)
+    # "sample": no sampled row has a filter (sample_mode), so one round is never rejected
     rounds = 1 if mode == "sample" else ROUNDS
     if kern is not None:  # the kernel hashes the uniforms itself: no tensor ops before it
         return kern.sample_triton(logits, temperature, top_k, top_p, seeds, positions, rounds)

@@ -277,11 +277,8 @@ class DecodeRunner:
         ends = {i: grp.ends[i] + n_steps for i in go}
         if any(-(-e // bs) > W or e > self.max_len for e in ends.values()):
             return None
-        t = np.full((B, W), self.scratch, dtype=np.int32)
-        for i in go:
-            used = tables[i][:-(-ends[i] // bs)]
-            t[i, :len(used)] = used
-        buf.tables.copy_(torch.from_numpy(t), non_blocking=True)
+        buf.tables.copy_(self._tables(B, W, {i: tables[i][:-(-ends[i] // bs)] for i in go}),
+                         non_blocking=True)
         off = torch.tensor([i for i in range(B) if i not in ends], dtype=torch.int64)
         if len(off):
             off = off.to(buf.pos.device, non_blocking=True)
@@ -314,25 +311,24 @@ class DecodeRunner:
         ids, vals = buf.top_ids[:n, :k].tolist(), buf.top_lp[:n, :k].tolist()
         return toks, [logprob_pairs(*r) for r in zip(lp, ids, vals)]
 
-    def run(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1):
-        """launch, then collect; None when no shape takes the rows."""
-        grp = self.launch(rows, n_steps, mode, top)
-        return None if grp is None else self.collect(grp)
+    def _tables(self, B: int, W: int, tables: dict[int, list[int]]) -> torch.Tensor:
+        """(B, W) int32 host block tables: row i = tables[i], the rest the scratch block; one
+        host array (a tensor per row costs ~5 us)."""
+        t = np.full((B, W), self.scratch, dtype=np.int32)
+        for i, table in tables.items():
+            t[i, :len(table)] = table
+        return torch.from_numpy(t)
 
     def _fill(self, buf: _Buffers, rows, tables) -> None:
         """Rows 0 .. n - 1 from the step, the rest padding rows on the scratch block."""
         n, (B, W) = len(rows), buf.tables.shape
         pad = B - n
-        sc = self.scratch
-        t = np.full((B, W), sc, dtype=np.int32)  # one host array: a tensor per row costs ~5 us
-        for i, table in enumerate(tables):
-            t[i, :len(table)] = table
         ints = torch.tensor([[r[2] for r in rows] + [0] * pad, [r[1] for r in rows] + [0] * pad,
                              [r[4] for r in rows] + [0] * pad, [r[6] for r in rows] + [0] * pad],
                             dtype=torch.int64)
         floats = torch.tensor([[float(r[3]) for r in rows] + [0.0] * pad,
                                [float(r[5]) for r in rows] + [1.0] * pad], dtype=torch.float32)
-        buf.tables.copy_(torch.from_numpy(t), non_blocking=True)
+        buf.tables.copy_(self._tables(B, W, dict(enumerate(tables))), non_blocking=True)
         for dst, src in zip((buf.ids, buf.pos, buf.top_k, buf.seeds), ints):
             dst.copy_(src, non_blocking=True)
         buf.temp.copy_(floats[0], non_blocking=True)

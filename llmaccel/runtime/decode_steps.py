@@ -17,10 +17,7 @@ class DecodeSteps:
         the group and discards it, as after an EOS: a row of a wide batch costs little, a host
         sync per finishing row costs a step), within every row's context and the free blocks.
         False when no shape takes it (the step runs eagerly)."""
-        n = min(MAX_STEPS, max(s.params.max_tokens - s.n_output for s in seqs))
-        for seq in seqs:
-            n = min(n, self.cfg.max_position - len(seq.token_ids))
-        n = max(1, n)
+        n = max(1, self._group_size(seqs, 0))
         bm = self.bm
         if n > 1 and sum(max(0, bm.blocks_for(s.num_computed + n) - len(s.block_table)) for s in seqs) > bm.num_free:
             n = 1  # the scheduler made room for one token per row
@@ -69,13 +66,10 @@ class DecodeSteps:
         if self.bm.copies or self.draft is not None or self._admissible():
             return None  # the next step copies blocks, lets the draft propose, or admits
         k, bm = grp.n, self.bm
-        left = {id(s): min(s.params.max_tokens - s.n_output, self.cfg.max_position - len(s.token_ids)) - k
-                for s in seqs if not s.finished}
-        cont = [s for s in seqs if left.get(id(s), 0) > 0]
+        cont = [s for s in seqs if not s.finished and self._group_size([s], k) > 0]
         if not cont:
             return None
-        n = min(MAX_STEPS, max(s.params.max_tokens - s.n_output - k for s in cont),
-                min(self.cfg.max_position - len(s.token_ids) - k for s in cont))
+        n = self._group_size(cont, k)
         if sum(max(0, bm.blocks_for(s.num_computed + k + n) - len(s.block_table)) for s in cont) > bm.num_free:
             return None
         for s in cont:
@@ -95,3 +89,10 @@ class DecodeSteps:
         w = self.sched.waiting
         return bool(w) and len(self.sched.running) < self.sched.max_num_seqs and \
             self.bm.blocks_for(len(w[0].token_ids)) <= self.bm.num_free
+
+    def _group_size(self, seqs: list[Sequence], ahead: int) -> int:
+        """Sub-steps of a group for these rows once `ahead` more tokens are computed: as many as
+        the row with the most tokens left wants, within every row's context, at most MAX_STEPS
+        (<= 0: none is left)."""
+        return min(MAX_STEPS, max(s.params.max_tokens - s.n_output for s in seqs) - ahead,
+                   min(self.cfg.max_position - len(s.token_ids) for s in seqs) - ahead)
