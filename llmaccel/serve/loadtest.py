@@ -58,6 +58,7 @@ class Outcome:
     ok: bool = False
     problem: str | None = None
     ttft: float | None = None
+    accepted: float | None = None  # seconds to the response's headers (the engine took the request)
     tpot: float | None = None
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -135,7 +136,7 @@ class LoadTest:
         t0 = time.perf_counter()
         try:
             async with client.stream("POST", url, headers={**self.headers, **headers}, **kw) as r:
-                o.status = r.status_code
+                o.status, o.accepted = r.status_code, time.perf_counter() - t0
                 if kind == "bad" or r.status_code != 200:
                     err = json.loads(await r.aread()).get("error", {})
                     o.ok = kind == "bad" and 400 <= r.status_code < 500 and bool(err.get("message"))
@@ -257,10 +258,15 @@ class LoadTest:
             "statuses": statuses, "wall_s": round(wall, 3), "output_tokens": tokens,
             "output_tok_s": round(tokens / wall, 1), "requests_s": round(len(good) / wall, 2),
             "goodput_requests_s": round(len(meets) / wall, 2),
+            "accepted_s": pct([o.accepted for o in good if o.accepted is not None]),
             "ttft_s": pct([o.ttft for o in good if o.ttft is not None]),
             "tpot_s": pct([o.tpot for o in good if o.tpot is not None]),
             "itl_s": pct([x for o in good for x in o.itl]),
             "kv_blocks_used_after": after.get("llmaccel_kv_blocks_used"),
+            # engine steps and seconds in them during the run: busy_s well below wall_s means
+            # the engine waited for requests (the HTTP side), not the other way round
+            "engine": {"steps": delta("llmaccel_engine_steps_total"),
+                       "busy_s": round(delta("llmaccel_engine_busy_seconds_total"), 3)},
             "problems": [f"{o.kind}: {o.problem}" for o in outs if not o.ok][:10],
             "checks": checks, "ok": all(checks.values()),
         }

@@ -182,6 +182,7 @@ class EngineCore:
         self.has_text = llm.model.tokenizer_dir is not None
         self._choices: list[_Choice] = []
         self._deadline: float | None = None  # when shutdown fails what is still in flight
+        self._busy = 0.0  # seconds inside llm.step(): against wall time, how busy the engine was
 
     def run(self) -> BaseException | None:
         """Serve until ("stop", None); the exception that killed the loop, if one did."""
@@ -263,6 +264,7 @@ class EngineCore:
                 self.out.route(j, err)
 
     def _step(self) -> None:
+        t = time.perf_counter()
         try:
             self.llm.step()
         except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
@@ -272,6 +274,8 @@ class EngineCore:
             live = [c for c in self._choices if not c.seq.finished]
             hit = [c for c in live if c.seq.block_table] or live
             self._fail([c.job for c in hit], ServeError(500, f"engine step failed: {type(e).__name__}: {e}"))
+        finally:
+            self._busy += time.perf_counter() - t
 
     def _emit(self) -> None:
         now = time.perf_counter()
@@ -310,7 +314,8 @@ class EngineCore:
         self.out.publish(dict(running=running, engine_waiting=len(self._choices) - running,
                               kv_blocks_used=m["kv_blocks_used"], kv_blocks_total=m["kv_blocks_total"],
                               preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
-                              generated_tokens=m["generated_tokens"]))
+                              generated_tokens=m["generated_tokens"], steps=m["steps"],
+                              busy_s=self._busy))
 
 
 def model_facts(llm) -> dict:

@@ -19,7 +19,9 @@ class _EngineCollector:
               "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in all")}
     COUNTERS = {"prompt_tokens": ("prompt_tokens", "prompt tokens admitted"),
                 "generation_tokens": ("generated_tokens", "tokens generated"),
-                "preemptions": ("preemptions", "sequences preempted (recomputed later)")}
+                "preemptions": ("preemptions", "sequences preempted (recomputed later)"),
+                "engine_steps": ("steps", "engine steps (a decode group counts once)"),
+                "engine_busy_seconds": ("busy_s", "seconds the engine loop spent in steps")}
 
     def __init__(self, loop):
         self.loop = loop
