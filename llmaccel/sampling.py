@@ -171,7 +171,7 @@ def _check(index: int) -> str | None:
         return "triton is not installed"
     dev = torch.device("cuda", index)
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 3000, generator=g) * 3).to(dev)
+    x = (torch.randn(4, 5000, generator=g) * 3).to(dev)  # above 4096: the chunk kernels, as real vocabularies
     args = [torch.tensor(v, device=dev) for v in ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5])]
     seeds, pos = torch.arange(4, device=dev) + (7 << 33), torch.arange(4, device=dev)
     u = round_uniforms(seeds, pos, ROUNDS)

@@ -1,4 +1,4 @@
-"""Sampling without a sort: temperature, top-k and top-p per row, one program per row.
+"""Sampling without a sort: temperature, top-k and top-p per row.
 
 The reference is llmaccel.sampling.sample_reference; this kernel runs the same
 algorithm, pass for pass, so both draw the same token from the same uniforms (up to the
@@ -22,6 +22,15 @@ ulps of a token's boundary):
 A sort of a (64, 128k) logits block costs ~1.4 ms on an H200; these passes read each row from
 L2 two or three times (top-k adds five). The uniforms are hashed in the kernel
 (round_uniforms' hash, in int64 arithmetic) so a sampled step launches nothing before it.
+
+One program walking a whole row is latency-bound: at one row of 128k logits on an H200, pass 1
+took 13 us and a top-p draw 83 us, 7% of a Llama-1B decode step. Above 4096 logits the row is
+cut into chunks of CHUNK, one program each, and the same algorithm runs in four launches:
+_chunk_stats (per chunk: argmax, m_c, Z_c), _chunk_draw (m and Z from the chunks' figures;
+round 0's target located among the chunks' masses, then inverted inside that one chunk),
+_chunk_above (per chunk: the mass above e_j) and _sample_kernel resuming: round 0's acceptance
+test, and the row's remaining rounds (rejected draws, about 1 - top_p of them) or the whole
+algorithm (rows with top-k) one program a row as before. Greedy steps take the argmax in two.
 """
 from __future__ import annotations
 
@@ -35,6 +44,10 @@ except ImportError:  # pragma: no cover - only where triton is absent
     tl = None
 
 HAS_TRITON = triton is not None
+
+
+# Logits per program and warps of the chunk kernels (vocabularies above 4096)
+CHUNK, CHUNK_WARPS = 2048, 4
 
 
 def config(V: int) -> tuple[int, int]:
@@ -64,32 +77,45 @@ if HAS_TRITON:
 
     @triton.jit
     def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, out_ptr, V, sx, R,
-                       BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+                       irow, frow, part, B, S,
+                       BLOCK: tl.constexpr, GREEDY: tl.constexpr, RESUME: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
         row = tl.program_id(0)
         base = x_ptr + row.to(tl.int64) * sx
         t = tl.load(t_ptr + row)
         ts = tl.where(t > 0, t, 1.0)
         ar = tl.arange(0, BLOCK)
-        # pass 1: argmax of the logits, max and (online) sum of exp of the tempered logits
-        best = -float("inf")
-        best_i = 0
-        m = -float("inf")
-        z = 0.0
-        for off in range(0, V, BLOCK):
-            cols = off + ar
-            msk = cols < V
-            lg = tl.load(base + cols, mask=msk, other=-float("inf")).to(tl.float32)
-            cmax = tl.max(lg, 0)
-            cidx = tl.min(tl.where(lg == cmax, cols, V), 0)
-            best_i = tl.where(cmax > best, cidx, best_i)
-            best = tl.maximum(best, cmax)
-            if not GREEDY:
-                x = lg / ts
-                nm = tl.maximum(m, tl.max(x, 0))
-                z = z * tl.exp(m - nm) + tl.sum(tl.where(msk, tl.exp(x - nm), 0.0), 0)
-                m = nm
+        # RESUME (after the chunk kernels): irow holds per row its state (0: the argmax is the
+        # token; 1: round 0 drawn, j and e_j in irow / frow, the masses above e_j per chunk in
+        # part; 2: a top-k row, the whole algorithm here), the argmax and j; frow m, Z and e_j
+        st = 2
+        if RESUME:
+            st = tl.load(irow + row)
+        best_i = tl.full([], 0, tl.int32)
+        m = tl.full([], -float("inf"), tl.float32)
+        z = tl.full([], 0.0, tl.float32)
+        if st == 2:
+            # pass 1: argmax of the logits, max and (online) sum of exp of the tempered logits
+            best = tl.full([], -float("inf"), tl.float32)
+            for off in range(0, V, BLOCK):
+                cols = off + ar
+                msk = cols < V
+                lg = tl.load(base + cols, mask=msk, other=-float("inf")).to(tl.float32)
+                cmax = tl.max(lg, 0)
+                cidx = tl.min(tl.where(lg == cmax, cols, V), 0)
+                best_i = tl.where(cmax > best, cidx, best_i)
+                best = tl.maximum(best, cmax)
+                if not GREEDY:
+                    x = lg / ts
+                    nm = tl.maximum(m, tl.max(x, 0))
+                    z = z * tl.exp(m - nm) + tl.sum(tl.where(msk, tl.exp(x - nm), 0.0), 0)
+                    m = nm
+        else:
+            best_i = tl.load(irow + B + row)
+            m = tl.load(frow + row)
+            z = tl.load(frow + B + row)
         tok = best_i
-        if (not GREEDY) and (t > 0):
+        if (not GREEDY) and ((t > 0) & (st != 0)):
             k = tl.load(k_ptr + row)
             top_p = tl.load(p_ptr + row)
             thr = tl.full([], 0, tl.int32)  # the bits of the smallest e that top-k keeps
@@ -123,14 +149,20 @@ if HAS_TRITON:
                     x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
                     e = tl.exp(x - m)
                     zk += tl.sum(tl.where(msk & (e.to(tl.int32, bitcast=True) >= thr), e, 0.0), 0)
-            seed = tl.load(seed_ptr + row)
-            h0 = _mix32(seed & 0xFFFFFFFF)
-            h0 = _mix32(h0 ^ ((seed >> 32) & 0xFFFFFFFF))
-            h0 = _mix32(h0 ^ (tl.load(pos_ptr + row) & 0xFFFFFFFF))
+            h0 = _row_hash(seed_ptr, pos_ptr, row)
             low = tl.full([], -1.0, tl.float32)
             mass = zk
             r = tl.full([], 0, tl.int32)
             done = tl.full([], 0, tl.int32)
+            if st == 1:  # round 0 was drawn by the chunk kernels: its acceptance test here
+                s_off = tl.arange(0, BLOCK_S)
+                above = tl.sum(tl.load(part + row * S + s_off, mask=s_off < S, other=0.0), 0)
+                ok = (top_p >= 1.0) | (above < top_p * zk)
+                tok = tl.where(ok, tl.load(irow + 2 * B + row), tok)
+                done = ok.to(tl.int32)
+                low = tl.load(frow + 2 * B + row)
+                mass = above
+                r = tl.full([], 1, tl.int32)
             while (r < R) & (done == 0):
                 target = _uniform(h0, r) * mass
                 c = tl.full([], 0.0, tl.float32)
@@ -174,35 +206,173 @@ if HAS_TRITON:
                 r += 1
         tl.store(out_ptr + row, tok.to(tl.int64))
 
+    @triton.jit
+    def _row_hash(seed_ptr, pos_ptr, row):  # llmaccel.sampling._row_hash
+        seed = tl.load(seed_ptr + row)
+        h0 = _mix32(seed & 0xFFFFFFFF)
+        h0 = _mix32(h0 ^ ((seed >> 32) & 0xFFFFFFFF))
+        return _mix32(h0 ^ (tl.load(pos_ptr + row) & 0xFFFFFFFF))
+
+    @triton.jit
+    def _chunk_stats(x_ptr, t_ptr, V, sx, fch, ich, B, S, CH: tl.constexpr, GREEDY: tl.constexpr):
+        """Per (row, chunk): the chunk's max logit and its first index; with sampling, the max
+        m_c of the tempered logits and Z_c = sum exp(x - m_c)."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        cols = c * CH + tl.arange(0, CH)
+        msk = cols < V
+        lg = tl.load(x_ptr + row.to(tl.int64) * sx + cols, mask=msk, other=-float("inf")).to(tl.float32)
+        cmax = tl.max(lg, 0)
+        at = row * S + c
+        tl.store(fch + at, cmax)
+        tl.store(ich + at, tl.min(tl.where(lg == cmax, cols, V), 0))
+        if not GREEDY:
+            t = tl.load(t_ptr + row)
+            x = lg / tl.where(t > 0, t, 1.0)
+            mc = tl.max(x, 0)
+            safe = tl.where(mc > -float("inf"), mc, 0.0)  # a chunk of -inf logits holds no mass
+            tl.store(fch + B * S + at, mc)
+            tl.store(fch + 2 * B * S + at, tl.sum(tl.where(msk, tl.exp(x - safe), 0.0), 0))
+
+    @triton.jit
+    def _row_argmax(fch, ich, row, S, V, BLOCK_S: tl.constexpr):
+        so = tl.arange(0, BLOCK_S)
+        best = tl.load(fch + row * S + so, mask=so < S, other=-float("inf"))
+        idx = tl.load(ich + row * S + so, mask=so < S, other=V)
+        return tl.min(tl.where(best == tl.max(best, 0), idx, V), 0)
+
+    @triton.jit
+    def _chunk_argmax(fch, ich, out_ptr, S, V, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        tl.store(out_ptr + row, _row_argmax(fch, ich, row, S, V, BLOCK_S).to(tl.int64))
+
+    @triton.jit
+    def _chunk_draw(x_ptr, t_ptr, k_ptr, seed_ptr, pos_ptr, V, sx, fch, ich, irow, frow, B, S,
+                    CH: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Per row: the argmax, m, Z and the state (irow / frow as _sample_kernel's RESUME reads
+        them); for a sampled row without top-k, round 0's draw: the chunk whose prefix of
+        masses reaches u_0 Z inverts its own part of the CDF (the other programs stop)."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        t = tl.load(t_ptr + row)
+        k = tl.load(k_ptr + row)
+        st = tl.where(t > 0, tl.where((k > 0) & (k < V), 2, 1), 0)
+        if c == 0:
+            tl.store(irow + row, st)
+            tl.store(irow + B + row, _row_argmax(fch, ich, row, S, V, BLOCK_S))
+        if st == 1:
+            so = tl.arange(0, BLOCK_S)
+            mc = tl.load(fch + B * S + row * S + so, mask=so < S, other=-float("inf"))
+            zc = tl.load(fch + 2 * B * S + row * S + so, mask=so < S, other=0.0)
+            m = tl.max(mc, 0)
+            w = zc * tl.exp(mc - m)
+            zt = tl.sum(w, 0)
+            target = _uniform(_row_hash(seed_ptr, pos_ptr, row), 0) * zt
+            hit = tl.min(tl.where((tl.cumsum(w, 0) >= target) & (so < S), so, S), 0)
+            if c == 0:
+                tl.store(frow + row, m)
+                tl.store(frow + B + row, zt)
+            if c == tl.where(hit < S, hit, S - 1):  # rounding may leave the target unmet
+                cols = c * CH + tl.arange(0, CH)
+                msk = cols < V
+                x = tl.load(x_ptr + row.to(tl.int64) * sx + cols, mask=msk, other=0.0).to(tl.float32)
+                e = tl.where(msk, tl.exp(x / t - m), 0.0)
+                cs = tl.cumsum(e, 0) + tl.sum(tl.where(so < c, w, 0.0), 0)
+                j = tl.min(tl.where((cs >= target) & msk, cols, V), 0)
+                j = tl.where(j < V, j, tl.max(tl.where(msk, cols, -1), 0))
+                tl.store(irow + 2 * B + row, j)
+                tl.store(frow + 2 * B + row, tl.sum(tl.where(cols == j, e, 0.0), 0))
+
+    @triton.jit
+    def _chunk_above(x_ptr, t_ptr, p_ptr, V, sx, part, irow, frow, B, S, CH: tl.constexpr):
+        """Per (row, chunk) of a row in state 1: the mass of the chunk's tokens above e_j."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        a = 0.0
+        if (tl.load(irow + row) == 1) & (tl.load(p_ptr + row) < 1.0):
+            cols = c * CH + tl.arange(0, CH)
+            msk = cols < V
+            x = tl.load(x_ptr + row.to(tl.int64) * sx + cols, mask=msk, other=0.0).to(tl.float32)
+            e = tl.exp(x / tl.load(t_ptr + row) - tl.load(frow + row))
+            a = tl.sum(tl.where(msk & (e > tl.load(frow + 2 * B + row)), e, 0.0), 0)
+        tl.store(part + row * S + c, a)
+
+
+def chunk_size(V: int, chunk: int | None = None) -> int:
+    """Logits per program of the chunk kernels, 0 for one program per row (small vocabularies,
+    where one program's passes are short). A function of V alone: a row's reductions, hence its
+    token, do not depend on the batch it is in."""
+    if chunk is None:
+        return CHUNK if V > 4096 else 0
+    return chunk
+
+
+def _workspace(B: int, S: int, device) -> tuple[torch.Tensor, ...]:
+    """Per (row, chunk) floats (best logit, m_c, Z_c, mass above e_j) and argmax indices; per
+    row ints (state, argmax, j) and floats (m, Z, e_j)."""
+    return (torch.empty((4, B, S), dtype=torch.float32, device=device),
+            torch.empty((B, S), dtype=torch.int32, device=device),
+            torch.empty((3, B), dtype=torch.int32, device=device),
+            torch.empty((3, B), dtype=torch.float32, device=device))
+
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  rounds: int, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                  rounds: int, block: int | None = None, num_warps: int | None = None,
+                  chunk: int | None = None) -> torch.Tensor:
     """Tokens (B,) int64 for logits (B, V) (any float dtype, unit stride in V); temperature,
     top_p float32 (B,), top_k, seeds, positions int64 (B,); the uniforms of the rounds are
-    llmaccel.sampling.round_uniforms(seeds, positions, rounds), hashed in the kernel."""
+    llmaccel.sampling.round_uniforms(seeds, positions, rounds), hashed in the kernel.
+    chunk: see chunk_size."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cb, cw = config(V)
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    _sample_kernel[(B,)](logits, temperature.float().contiguous(), top_k.contiguous(),
-                         top_p.float().contiguous(), seeds.contiguous(), positions.contiguous(), out,
-                         V, logits.stride(0), rounds, BLOCK=block or cb, GREEDY=False,
-                         num_warps=num_warps or cw)
+    dev = logits.device
+    out = torch.empty(B, dtype=torch.int64, device=dev)
+    t, k = temperature.float().contiguous(), top_k.contiguous()
+    p, seeds, positions = top_p.float().contiguous(), seeds.contiguous(), positions.contiguous()
+    ch = chunk_size(V, chunk)
+    if ch and B:
+        S = triton.cdiv(V, ch)
+        bs = triton.next_power_of_2(S)
+        fch, ich, irow, frow = _workspace(B, S, dev)
+        _chunk_stats[(B, S)](logits, t, V, logits.stride(0), fch, ich, B, S, CH=ch, GREEDY=False,
+                             num_warps=CHUNK_WARPS)
+        _chunk_draw[(B, S)](logits, t, k, seeds, positions, V, logits.stride(0), fch, ich, irow, frow,
+                            B, S, CH=ch, BLOCK_S=bs, num_warps=CHUNK_WARPS)
+        _chunk_above[(B, S)](logits, t, p, V, logits.stride(0), fch[3], irow, frow, B, S, CH=ch,
+                             num_warps=CHUNK_WARPS)
+        _sample_kernel[(B,)](logits, t, k, p, seeds, positions, out, V, logits.stride(0), rounds,
+                             irow, frow, fch[3], B, S, BLOCK=block or cb, GREEDY=False, RESUME=True,
+                             BLOCK_S=bs, num_warps=num_warps or cw)
+    elif B:
+        _sample_kernel[(B,)](logits, t, k, p, seeds, positions, out, V, logits.stride(0), rounds,
+                             out, out, out, B, 1, BLOCK=block or cb, GREEDY=False, RESUME=False,
+                             BLOCK_S=2, num_warps=num_warps or cw)
     return out
 
 
 def argmax_triton(logits: torch.Tensor, block: int | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
-    """logits.argmax(-1) (the first maximal index) of (B, V): one program per row reads it once
-    (torch's reduction of one 128k row takes ~37 us on an H200)."""
+                  num_warps: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """logits.argmax(-1) (the first maximal index) of (B, V), each row read once (torch's
+    reduction of one 128k row takes ~37 us on an H200). chunk: see chunk_size."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cb, cw = config(V)
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    z = torch.zeros(B, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(B,)](logits, z, out, z, out, out, out, V, logits.stride(0), 1,
-                         BLOCK=block or cb, GREEDY=True, num_warps=num_warps or cw)
+    dev = logits.device
+    out = torch.empty(B, dtype=torch.int64, device=dev)
+    ch = chunk_size(V, chunk)
+    if ch and B:
+        S = triton.cdiv(V, ch)
+        fch, ich, _, _ = _workspace(B, S, dev)
+        _chunk_stats[(B, S)](logits, fch, V, logits.stride(0), fch, ich, B, S, CH=ch, GREEDY=True,
+                             num_warps=CHUNK_WARPS)
+        _chunk_argmax[(B,)](fch, ich, out, S, V, BLOCK_S=triton.next_power_of_2(S))
+    elif B:
+        z = torch.zeros(B, dtype=torch.float32, device=dev)
+        _sample_kernel[(B,)](logits, z, out, z, out, out, out, V, logits.stride(0), 1, out, z, z, B, 1,
+                             BLOCK=block or cb, GREEDY=True, RESUME=False, BLOCK_S=2,
+                             num_warps=num_warps or cw)
     return out

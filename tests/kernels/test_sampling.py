@@ -32,8 +32,8 @@ def _case(B, V, dtype, device, g):
     return [a.to(device) for a in (logits, temp, top_k, top_p, seeds, pos)]
 
 
-def _check(logits, temp, top_k, top_p, seeds, pos):
-    got = kern.sample_triton(logits, temp, top_k, top_p, seeds, pos, ROUNDS).cpu()
+def _check(logits, temp, top_k, top_p, seeds, pos, chunk=None):
+    got = kern.sample_triton(logits, temp, top_k, top_p, seeds, pos, ROUNDS, chunk=chunk).cpu()
     want = sample_reference(logits, temp, top_k, top_p, round_uniforms(seeds, pos, ROUNDS)).cpu()
     # a row may part where its uniform falls within rounding of a token's CDF boundary
     assert (got != want).sum() <= max(1, 0.02 * len(got))
@@ -48,10 +48,26 @@ def _check(logits, temp, top_k, top_p, seeds, pos):
 
 
 @cpu_kernels
-@pytest.mark.parametrize("V", [300, 5000])  # one block; three blocks with a partial one
-def test_kernel_draws_the_reference_tokens(V):
-    g = torch.Generator().manual_seed(V)
-    _check(*_case(12, V, torch.float32, "cpu", g))
+# one program a row: one block; three blocks with a partial one. Chunk kernels (then the row
+# kernel for top-k rows and rejected draws): 5 chunks with a partial one; three of 2048.
+@pytest.mark.parametrize("V,chunk", [(300, 0), (5000, 0), (300, 64), (5000, None)])
+def test_kernel_draws_the_reference_tokens(V, chunk):
+    g = torch.Generator().manual_seed(V + (chunk or 0))
+    _check(*_case(12, V, torch.float32, "cpu", g), chunk=chunk)
+
+
+@cpu_kernels
+def test_chunk_kernels_rejected_draws_and_top_p_one():
+    """Narrow nuclei (most round-0 draws rejected, the row kernel resumes from round 1) and
+    top_p = 1 rows (accepted at once), through the chunk kernels, equal the reference."""
+    g = torch.Generator().manual_seed(9)
+    B, V = 16, 700
+    logits = torch.randn(B, V, generator=g) * 3
+    temp = torch.full((B,), 1.3)
+    top_p = torch.where(torch.arange(B) % 2 == 0, torch.tensor(0.05), torch.tensor(1.0))
+    zeros = torch.zeros(B, dtype=torch.int64)
+    seeds, pos = torch.arange(B) * 7 + 1, torch.arange(B) + 100
+    _check(logits, temp, zeros, top_p, seeds, pos, chunk=128)
 
 
 @cpu_kernels
@@ -98,7 +114,9 @@ def test_greedy_kernel_is_the_first_argmax():
     x = torch.randn(5, 4500)
     x[1, 10] = x[1, 3000] = 50.0  # a tie: the first index, as torch.argmax
     x[2] = 0.0
-    assert kern.argmax_triton(x).tolist() == x.argmax(-1).tolist()
+    x[3, 2048] = x[3, 4000] = 60.0  # a tie across chunks
+    for chunk in (None, 0, 512):  # chunk kernels of 2048 and 512; one program a row
+        assert kern.argmax_triton(x, chunk=chunk).tolist() == x.argmax(-1).tolist()
 
 
 @pytest.mark.cuda
