@@ -46,8 +46,11 @@ except ImportError:  # pragma: no cover - only where triton is absent
 HAS_TRITON = triton is not None
 
 
-# Logits per program and warps of the chunk kernels (vocabularies above 4096)
-CHUNK, CHUNK_WARPS = 2048, 4
+# Logits per program and warps of the chunk kernels (vocabularies above 4096), and the rejection
+# rounds they draw before the row kernel takes the rows still rejected (about (1 - top_p)^3 of
+# them: one in 8,000 at top_p 0.95; after one round, 5% of a 64-row step's rows made every
+# step wait ~60 us for one program walking a whole row)
+CHUNK, CHUNK_WARPS, CHUNK_ROUNDS = 2048, 4, 3
 
 
 def config(V: int) -> tuple[int, int]:
@@ -77,7 +80,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, out_ptr, V, sx, R,
-                       irow, frow, part, B, S,
+                       irow, frow, part, B, S, R0,
                        BLOCK: tl.constexpr, GREEDY: tl.constexpr, RESUME: tl.constexpr,
                        BLOCK_S: tl.constexpr):
         row = tl.program_id(0)
@@ -154,7 +157,7 @@ if HAS_TRITON:
             mass = zk
             r = tl.full([], 0, tl.int32)
             done = tl.full([], 0, tl.int32)
-            if st == 1:  # round 0 was drawn by the chunk kernels: its acceptance test here
+            if st == 1:  # rounds 0 .. R0 - 1 were drawn by the chunk kernels: the last one's test
                 s_off = tl.arange(0, BLOCK_S)
                 above = tl.sum(tl.load(part + row * S + s_off, mask=s_off < S, other=0.0), 0)
                 ok = (top_p >= 1.0) | (above < top_p * zk)
@@ -162,7 +165,7 @@ if HAS_TRITON:
                 done = ok.to(tl.int32)
                 low = tl.load(frow + 2 * B + row)
                 mass = above
-                r = tl.full([], 1, tl.int32)
+                r = tl.full([], 0, tl.int32) + R0
             while (r < R) & (done == 0):
                 target = _uniform(h0, r) * mass
                 c = tl.full([], 0.0, tl.float32)
@@ -247,41 +250,66 @@ if HAS_TRITON:
         tl.store(out_ptr + row, _row_argmax(fch, ich, row, S, V, BLOCK_S).to(tl.int64))
 
     @triton.jit
-    def _chunk_draw(x_ptr, t_ptr, k_ptr, seed_ptr, pos_ptr, V, sx, fch, ich, irow, frow, B, S,
-                    CH: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Per row: the argmax, m, Z and the state (irow / frow as _sample_kernel's RESUME reads
-        them); for a sampled row without top-k, round 0's draw: the chunk whose prefix of
-        masses reaches u_0 Z inverts its own part of the CDF (the other programs stop)."""
+    def _chunk_draw(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, V, sx, fch, ich, irow, frow, B, S,
+                    r, CH: tl.constexpr, BLOCK_S: tl.constexpr, FIRST: tl.constexpr):
+        """Round r of the rows in state 1, one program per (row, chunk). FIRST (round 0): the
+        state, argmax, m and Z per row (irow / frow as _sample_kernel's RESUME reads them), the
+        chunks' masses from their m_c and Z_c. Later rounds: round r - 1's acceptance test on
+        the masses above e_j that _chunk_above left per chunk (accepted: state 0, the token in
+        the argmax's slot), and those masses are the chunks' masses of the new support {e > e_j}.
+        The chunk whose prefix of masses reaches u_r * mass inverts its part of the CDF."""
         row = tl.program_id(0)
         c = tl.program_id(1)
+        rr = tl.full([], 0, tl.int32) + r  # a tensor even where r is specialized to a constant
         t = tl.load(t_ptr + row)
-        k = tl.load(k_ptr + row)
-        st = tl.where(t > 0, tl.where((k > 0) & (k < V), 2, 1), 0)
-        if c == 0:
-            tl.store(irow + row, st)
-            tl.store(irow + B + row, _row_argmax(fch, ich, row, S, V, BLOCK_S))
-        if st == 1:
-            so = tl.arange(0, BLOCK_S)
-            mc = tl.load(fch + B * S + row * S + so, mask=so < S, other=-float("inf"))
-            zc = tl.load(fch + 2 * B * S + row * S + so, mask=so < S, other=0.0)
-            m = tl.max(mc, 0)
-            w = zc * tl.exp(mc - m)
-            zt = tl.sum(w, 0)
-            target = _uniform(_row_hash(seed_ptr, pos_ptr, row), 0) * zt
-            hit = tl.min(tl.where((tl.cumsum(w, 0) >= target) & (so < S), so, S), 0)
+        so = tl.arange(0, BLOCK_S)
+        if FIRST:
+            k = tl.load(k_ptr + row)
+            st = tl.where(t > 0, tl.where((k > 0) & (k < V), 2, 1), 0)
             if c == 0:
-                tl.store(frow + row, m)
-                tl.store(frow + B + row, zt)
-            if c == tl.where(hit < S, hit, S - 1):  # rounding may leave the target unmet
-                cols = c * CH + tl.arange(0, CH)
-                msk = cols < V
-                x = tl.load(x_ptr + row.to(tl.int64) * sx + cols, mask=msk, other=0.0).to(tl.float32)
-                e = tl.where(msk, tl.exp(x / t - m), 0.0)
-                cs = tl.cumsum(e, 0) + tl.sum(tl.where(so < c, w, 0.0), 0)
-                j = tl.min(tl.where((cs >= target) & msk, cols, V), 0)
-                j = tl.where(j < V, j, tl.max(tl.where(msk, cols, -1), 0))
-                tl.store(irow + 2 * B + row, j)
-                tl.store(frow + 2 * B + row, tl.sum(tl.where(cols == j, e, 0.0), 0))
+                tl.store(irow + row, st)
+                tl.store(irow + B + row, _row_argmax(fch, ich, row, S, V, BLOCK_S))
+        else:
+            st = tl.load(irow + row)
+        if st == 1:
+            if FIRST:
+                mc = tl.load(fch + B * S + row * S + so, mask=so < S, other=-float("inf"))
+                zc = tl.load(fch + 2 * B * S + row * S + so, mask=so < S, other=0.0)
+                m = tl.max(mc, 0)
+                w = zc * tl.exp(mc - m)
+                mass = tl.sum(w, 0)
+                low = -1.0
+                go = True
+                fall = S - 1  # rounding may leave the target unmet: the last token, as the reference
+                if c == 0:
+                    tl.store(frow + row, m)
+                    tl.store(frow + B + row, mass)
+            else:
+                m = tl.load(frow + row)
+                top_p = tl.load(p_ptr + row)
+                w = tl.load(fch + 3 * B * S + row * S + so, mask=so < S, other=0.0)
+                mass = tl.sum(w, 0)
+                low = tl.load(frow + 2 * B + row)
+                go = (top_p < 1.0) & (mass >= top_p * tl.load(frow + B + row))
+                if (c == 0) & (go == 0):
+                    tl.store(irow + B + row, tl.load(irow + 2 * B + row))
+                    tl.store(irow + row, 0)
+                fall = tl.max(tl.where((so < S) & (w > 0), so, 0), 0)
+            if go:
+                target = _uniform(_row_hash(seed_ptr, pos_ptr, row), rr) * mass
+                hit = tl.min(tl.where((tl.cumsum(w, 0) >= target) & (so < S), so, S), 0)
+                if c == tl.where(hit < S, hit, fall):
+                    cols = c * CH + tl.arange(0, CH)
+                    msk = cols < V
+                    x = tl.load(x_ptr + row.to(tl.int64) * sx + cols, mask=msk, other=0.0).to(tl.float32)
+                    e = tl.exp(x / t - m)
+                    sup = msk & (e > low)
+                    ws = tl.where(sup, e, 0.0)
+                    cs = tl.cumsum(ws, 0) + tl.sum(tl.where(so < c, w, 0.0), 0)
+                    j = tl.min(tl.where((cs >= target) & sup, cols, V), 0)
+                    j = tl.where(j < V, j, tl.max(tl.where(sup, cols, -1), 0))
+                    tl.store(irow + 2 * B + row, j)
+                    tl.store(frow + 2 * B + row, tl.sum(tl.where(cols == j, ws, 0.0), 0))
 
     @triton.jit
     def _chunk_above(x_ptr, t_ptr, p_ptr, V, sx, part, irow, frow, B, S, CH: tl.constexpr):
@@ -339,16 +367,18 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         fch, ich, irow, frow = _workspace(B, S, dev)
         _chunk_stats[(B, S)](logits, t, V, logits.stride(0), fch, ich, B, S, CH=ch, GREEDY=False,
                              num_warps=CHUNK_WARPS)
-        _chunk_draw[(B, S)](logits, t, k, seeds, positions, V, logits.stride(0), fch, ich, irow, frow,
-                            B, S, CH=ch, BLOCK_S=bs, num_warps=CHUNK_WARPS)
-        _chunk_above[(B, S)](logits, t, p, V, logits.stride(0), fch[3], irow, frow, B, S, CH=ch,
-                             num_warps=CHUNK_WARPS)
+        drawn = min(CHUNK_ROUNDS, rounds)
+        for r in range(drawn):
+            _chunk_draw[(B, S)](logits, t, k, p, seeds, positions, V, logits.stride(0), fch, ich, irow,
+                                frow, B, S, r, CH=ch, BLOCK_S=bs, FIRST=r == 0, num_warps=CHUNK_WARPS)
+            _chunk_above[(B, S)](logits, t, p, V, logits.stride(0), fch[3], irow, frow, B, S, CH=ch,
+                                 num_warps=CHUNK_WARPS)
         _sample_kernel[(B,)](logits, t, k, p, seeds, positions, out, V, logits.stride(0), rounds,
-                             irow, frow, fch[3], B, S, BLOCK=block or cb, GREEDY=False, RESUME=True,
-                             BLOCK_S=bs, num_warps=num_warps or cw)
+                             irow, frow, fch[3], B, S, drawn, BLOCK=block or cb, GREEDY=False,
+                             RESUME=True, BLOCK_S=bs, num_warps=num_warps or cw)
     elif B:
         _sample_kernel[(B,)](logits, t, k, p, seeds, positions, out, V, logits.stride(0), rounds,
-                             out, out, out, B, 1, BLOCK=block or cb, GREEDY=False, RESUME=False,
+                             out, out, out, B, 1, 0, BLOCK=block or cb, GREEDY=False, RESUME=False,
                              BLOCK_S=2, num_warps=num_warps or cw)
     return out
 
@@ -372,7 +402,7 @@ def argmax_triton(logits: torch.Tensor, block: int | None = None,
         _chunk_argmax[(B,)](fch, ich, out, S, V, BLOCK_S=triton.next_power_of_2(S))
     elif B:
         z = torch.zeros(B, dtype=torch.float32, device=dev)
-        _sample_kernel[(B,)](logits, z, out, z, out, out, out, V, logits.stride(0), 1, out, z, z, B, 1,
+        _sample_kernel[(B,)](logits, z, out, z, out, out, out, V, logits.stride(0), 1, out, z, z, B, 1, 0,
                              BLOCK=block or cb, GREEDY=True, RESUME=False, BLOCK_S=2,
                              num_warps=num_warps or cw)
     return out

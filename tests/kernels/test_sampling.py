@@ -96,10 +96,11 @@ def test_kernel_hashes_the_uniforms_of_round_uniforms():
     logits = torch.zeros(B, V)  # uniform rows: the token is floor(u * V)
     seeds = torch.randint(0, 1 << 62, (B,), generator=g)
     pos = torch.randint(0, 1 << 31, (B,), generator=g)
-    got = kern.sample_triton(logits, torch.ones(B), torch.zeros(B, dtype=torch.int64), torch.ones(B),
-                             seeds, pos, 1)
     u = round_uniforms(seeds, pos, 1)[:, 0]
-    assert got.tolist() == (u * V).floor().long().tolist()
+    for chunk in (0, 16):  # one program a row; the chunk kernels
+        got = kern.sample_triton(logits, torch.ones(B), torch.zeros(B, dtype=torch.int64), torch.ones(B),
+                                 seeds, pos, 1, chunk=chunk)
+        assert got.tolist() == (u * V).floor().long().tolist()
 
 
 @pytest.mark.cuda
