@@ -30,7 +30,7 @@ from llmaccel.errors import LlmaccelError
 
 ROOT = Path(__file__).resolve().parents[2]      # the checkout: scripts/ and .bench/ live here
 MIN_LEFT_S = 60                                 # a job starting with less time left is skipped
-SERVE_DEPS = ["fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client", "httpx"]
+SERVE_DEPS = ["fastapi", "uvicorn", "httptools", "uvloop", "prometheus-client", "httpx", "aiohttp"]
 TAIL_LINES = 12
 
 
