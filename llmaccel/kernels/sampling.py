@@ -47,10 +47,13 @@ HAS_TRITON = triton is not None
 
 
 # Logits per program and warps of the chunk kernels (vocabularies above 4096), and the rejection
-# rounds they draw before the row kernel takes the rows still rejected (about (1 - top_p)^3 of
-# them: one in 8,000 at top_p 0.95; after one round, 5% of a 64-row step's rows made every
-# step wait ~60 us for one program walking a whole row)
-CHUNK, CHUNK_WARPS, CHUNK_ROUNDS = 2048, 4, 3
+# rounds they draw before the row kernel takes the rows still rejected: from CHUNK_ROUNDS_FROM
+# rows, three (about (1 - top_p)^3 of the rows left: one in 8,000 at top_p 0.95; after one
+# round, a 64-row step nearly always held a rejected row and waited ~60 us for one program
+# walking it); below, one (each round is two more launches, ~12 us at one row on an H200).
+# A row's token then depends on its batch's size through the summation order of its CDF
+# only, as it already does through the logits (GEMV at one row, GEMM at more).
+CHUNK, CHUNK_WARPS, CHUNK_ROUNDS, CHUNK_ROUNDS_FROM = 2048, 4, 3, 8
 
 
 def config(V: int) -> tuple[int, int]:
@@ -64,6 +67,9 @@ def config(V: int) -> tuple[int, int]:
     return min(16384, triton.next_power_of_2(V)), 16
 
 
+# Kernels taking the batch size (or a round) do not specialize on it: Triton compiles a variant
+# for an int argument equal to 1 or divisible by 16, and a server meeting a new one mid-load
+# compiled for seconds inside a step (H200, 256 streams: 0.78x -> 0.23x of offline throughput).
 if HAS_TRITON:
     @triton.jit
     def _mix32(x):  # llmaccel.sampling._mix32, on int64 values in [0, 2^32)
@@ -78,7 +84,7 @@ if HAS_TRITON:
             h = _mix32(h0 ^ ((r.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF))
         return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "S", "R0"])
     def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, out_ptr, V, sx, R,
                        irow, frow, part, B, S, R0,
                        BLOCK: tl.constexpr, GREEDY: tl.constexpr, RESUME: tl.constexpr,
@@ -216,7 +222,7 @@ if HAS_TRITON:
         h0 = _mix32(h0 ^ ((seed >> 32) & 0xFFFFFFFF))
         return _mix32(h0 ^ (tl.load(pos_ptr + row) & 0xFFFFFFFF))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "S"])
     def _chunk_stats(x_ptr, t_ptr, V, sx, fch, ich, B, S, CH: tl.constexpr, GREEDY: tl.constexpr):
         """Per (row, chunk): the chunk's max logit and its first index; with sampling, the max
         m_c of the tempered logits and Z_c = sum exp(x - m_c)."""
@@ -244,12 +250,12 @@ if HAS_TRITON:
         idx = tl.load(ich + row * S + so, mask=so < S, other=V)
         return tl.min(tl.where(best == tl.max(best, 0), idx, V), 0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _chunk_argmax(fch, ich, out_ptr, S, V, BLOCK_S: tl.constexpr):
         row = tl.program_id(0)
         tl.store(out_ptr + row, _row_argmax(fch, ich, row, S, V, BLOCK_S).to(tl.int64))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "S", "r"])
     def _chunk_draw(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, V, sx, fch, ich, irow, frow, B, S,
                     r, CH: tl.constexpr, BLOCK_S: tl.constexpr, FIRST: tl.constexpr):
         """Round r of the rows in state 1, one program per (row, chunk). FIRST (round 0): the
@@ -311,7 +317,7 @@ if HAS_TRITON:
                     tl.store(irow + 2 * B + row, j)
                     tl.store(frow + 2 * B + row, tl.sum(tl.where(cols == j, ws, 0.0), 0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "S"])
     def _chunk_above(x_ptr, t_ptr, p_ptr, V, sx, part, irow, frow, B, S, CH: tl.constexpr):
         """Per (row, chunk) of a row in state 1: the mass of the chunk's tokens above e_j."""
         row = tl.program_id(0)
@@ -328,8 +334,8 @@ if HAS_TRITON:
 
 def chunk_size(V: int, chunk: int | None = None) -> int:
     """Logits per program of the chunk kernels, 0 for one program per row (small vocabularies,
-    where one program's passes are short). A function of V alone: a row's reductions, hence its
-    token, do not depend on the batch it is in."""
+    where one program's passes are short). A function of V alone: a row's chunks do not depend
+    on the batch it is in."""
     if chunk is None:
         return CHUNK if V > 4096 else 0
     return chunk
@@ -367,7 +373,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         fch, ich, irow, frow = _workspace(B, S, dev)
         _chunk_stats[(B, S)](logits, t, V, logits.stride(0), fch, ich, B, S, CH=ch, GREEDY=False,
                              num_warps=CHUNK_WARPS)
-        drawn = min(CHUNK_ROUNDS, rounds)
+        drawn = min(CHUNK_ROUNDS if B >= CHUNK_ROUNDS_FROM else 1, rounds)
         for r in range(drawn):
             _chunk_draw[(B, S)](logits, t, k, p, seeds, positions, V, logits.stride(0), fch, ich, irow,
                                 frow, B, S, r, CH=ch, BLOCK_S=bs, FIRST=r == 0, num_warps=CHUNK_WARPS)
