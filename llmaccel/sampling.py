@@ -171,9 +171,12 @@ def _check(index: int) -> str | None:
         return "triton is not installed"
     dev = torch.device("cuda", index)
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 5000, generator=g) * 3).to(dev)  # above 4096: the chunk kernels, as real vocabularies
-    args = [torch.tensor(v, device=dev) for v in ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5])]
-    seeds, pos = torch.arange(4, device=dev) + (7 << 33), torch.arange(4, device=dev)
+    # above 4096 logits (the chunk kernels, as real vocabularies) and 8 rows (their three
+    # rounds): the kernel variants a step at a real vocabulary launches compile here, not inside
+    # a served step
+    x = (torch.randn(8, 5000, generator=g) * 3).to(dev)
+    args = [torch.tensor(v * 2, device=dev) for v in ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5])]
+    seeds, pos = torch.arange(8, device=dev) + (7 << 33), torch.arange(8, device=dev)
     u = round_uniforms(seeds, pos, ROUNDS)
     try:
         same = (torch.equal(kern.sample_triton(x, *args, seeds, pos, ROUNDS), sample_reference(x, *args, u))

@@ -84,7 +84,7 @@ if HAS_TRITON:
             h = _mix32(h0 ^ ((r.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF))
         return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
-    @triton.jit(do_not_specialize=["B", "S", "R0"])
+    @triton.jit(do_not_specialize=["R", "B", "S", "R0"])
     def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, out_ptr, V, sx, R,
                        irow, frow, part, B, S, R0,
                        BLOCK: tl.constexpr, GREEDY: tl.constexpr, RESUME: tl.constexpr,
@@ -256,8 +256,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row, _row_argmax(fch, ich, row, S, V, BLOCK_S).to(tl.int64))
 
     @triton.jit(do_not_specialize=["B", "S", "r"])
-    def _chunk_draw(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, V, sx, fch, ich, irow, frow, B, S,
-                    r, CH: tl.constexpr, BLOCK_S: tl.constexpr, FIRST: tl.constexpr):
+    def _chunk_draw(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, V, sx, fch, part, ich, irow, frow,
+                    B, S, r, CH: tl.constexpr, BLOCK_S: tl.constexpr, FIRST: tl.constexpr):
         """Round r of the rows in state 1, one program per (row, chunk). FIRST (round 0): the
         state, argmax, m and Z per row (irow / frow as _sample_kernel's RESUME reads them), the
         chunks' masses from their m_c and Z_c. Later rounds: round r - 1's acceptance test on
@@ -293,7 +293,7 @@ if HAS_TRITON:
             else:
                 m = tl.load(frow + row)
                 top_p = tl.load(p_ptr + row)
-                w = tl.load(fch + 3 * B * S + row * S + so, mask=so < S, other=0.0)
+                w = tl.load(part + row * S + so, mask=so < S, other=0.0)
                 mass = tl.sum(w, 0)
                 low = tl.load(frow + 2 * B + row)
                 go = (top_p < 1.0) & (mass >= top_p * tl.load(frow + B + row))
@@ -342,9 +342,12 @@ def chunk_size(V: int, chunk: int | None = None) -> int:
 
 
 def _workspace(B: int, S: int, device) -> tuple[torch.Tensor, ...]:
-    """Per (row, chunk) floats (best logit, m_c, Z_c, mass above e_j) and argmax indices; per
-    row ints (state, argmax, j) and floats (m, Z, e_j)."""
-    return (torch.empty((4, B, S), dtype=torch.float32, device=device),
+    """Per (row, chunk) floats (best logit, m_c, Z_c), masses above e_j and argmax indices; per
+    row ints (state, argmax, j) and floats (m, Z, e_j). The masses above e_j are read through
+    a tensor of their own: a view at an offset of B * S floats would change its alignment,
+    which Triton specializes on, with the batch size."""
+    return (torch.empty((3, B, S), dtype=torch.float32, device=device),
+            torch.empty((B, S), dtype=torch.float32, device=device),
             torch.empty((B, S), dtype=torch.int32, device=device),
             torch.empty((3, B), dtype=torch.int32, device=device),
             torch.empty((3, B), dtype=torch.float32, device=device))
@@ -370,17 +373,17 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     if ch and B:
         S = triton.cdiv(V, ch)
         bs = triton.next_power_of_2(S)
-        fch, ich, irow, frow = _workspace(B, S, dev)
+        fch, part, ich, irow, frow = _workspace(B, S, dev)
         _chunk_stats[(B, S)](logits, t, V, logits.stride(0), fch, ich, B, S, CH=ch, GREEDY=False,
                              num_warps=CHUNK_WARPS)
         drawn = min(CHUNK_ROUNDS if B >= CHUNK_ROUNDS_FROM else 1, rounds)
         for r in range(drawn):
-            _chunk_draw[(B, S)](logits, t, k, p, seeds, positions, V, logits.stride(0), fch, ich, irow,
-                                frow, B, S, r, CH=ch, BLOCK_S=bs, FIRST=r == 0, num_warps=CHUNK_WARPS)
-            _chunk_above[(B, S)](logits, t, p, V, logits.stride(0), fch[3], irow, frow, B, S, CH=ch,
+            _chunk_draw[(B, S)](logits, t, k, p, seeds, positions, V, logits.stride(0), fch, part, ich,
+                                irow, frow, B, S, r, CH=ch, BLOCK_S=bs, FIRST=r == 0, num_warps=CHUNK_WARPS)
+            _chunk_above[(B, S)](logits, t, p, V, logits.stride(0), part, irow, frow, B, S, CH=ch,
                                  num_warps=CHUNK_WARPS)
         _sample_kernel[(B,)](logits, t, k, p, seeds, positions, out, V, logits.stride(0), rounds,
-                             irow, frow, fch[3], B, S, drawn, BLOCK=block or cb, GREEDY=False,
+                             irow, frow, part, B, S, drawn, BLOCK=block or cb, GREEDY=False,
                              RESUME=True, BLOCK_S=bs, num_warps=num_warps or cw)
     elif B:
         _sample_kernel[(B,)](logits, t, k, p, seeds, positions, out, V, logits.stride(0), rounds,
@@ -402,7 +405,7 @@ def argmax_triton(logits: torch.Tensor, block: int | None = None,
     ch = chunk_size(V, chunk)
     if ch and B:
         S = triton.cdiv(V, ch)
-        fch, ich, _, _ = _workspace(B, S, dev)
+        fch, _, ich, _, _ = _workspace(B, S, dev)
         _chunk_stats[(B, S)](logits, fch, V, logits.stride(0), fch, ich, B, S, CH=ch, GREEDY=True,
                              num_warps=CHUNK_WARPS)
         _chunk_argmax[(B,)](fch, ich, out, S, V, BLOCK_S=triton.next_power_of_2(S))
