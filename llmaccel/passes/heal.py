@@ -6,16 +6,24 @@ optional MSE on the residual stream that feeds the final norm. The reference ops
 differentiable, so training is plain autograd through the IR graph: float weights get
 requires_grad for the duration of the pass and are frozen again afterwards.
 
+How a step runs (heal_train.py): on CUDA by default in bf16 autocast with fp32 master weights
+(`heal.dtype`), the teacher's and student's forwards compiled by Inductor (`heal.compile`),
+~16k tokens per step (`heal.batch`, `heal.seq_len`: 0 = sized for the device), the KL over the
+vocabulary `heal.kl_chunk` rows at a time. On a CPU: fp32, eager, 2 x 64 tokens.
+
 Quality is measured on calibration windows held out from training (the last `eval_windows`
-windows of the calibration text), before and after, so the report says what healing bought.
+windows of the calibration text), before and after, so the report says what healing bought;
+the stats also give the training throughput (`train_tok_s`, tokens per second of the training
+loop, compilation included; `steady_tok_s` without the first step, which compiles) and the
+seconds spent sampling training windows (`sample_s`).
 """
 from __future__ import annotations
 
 import copy
 import math
-import operator
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.fx
@@ -26,6 +34,8 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import continue_samples
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
+                                        resolve_dtype, residual_before_norm)
 from llmaccel.ir import is_op, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
@@ -38,35 +48,42 @@ _SAMPLE_BATCH = {"cuda": 512, "cpu": 16}
 
 @dataclass
 class HealConfig:
-    # Defaults sized for a 2-core CPU: a SmolLM2-135M step of 2 x 64 tokens costs ~28 CPU-seconds
-    # (measured), so 40 steps take ~10 min on an idle machine. On a GPU use hundreds to
-    # thousands of steps of 4 x 512 tokens (scripts/gpu_heal.sh).
+    # On a CPU a SmolLM2-135M step of 2 x 64 tokens costs ~28 CPU-seconds (measured), so the 40
+    # default steps take ~10 min on an idle 2-core machine. On a GPU use thousands of steps or a
+    # `minutes` budget (scripts/gpu_heal.sh).
     steps: int = 40
     lr: float = 5e-4
-    seq_len: int = 64
-    batch: int = 2
+    seq_len: int = 0         # tokens per window; 0 = 512 on CUDA, 64 elsewhere
+    batch: int = 0           # windows per step; 0 = ~16k tokens per step on CUDA (fewer if memory
+                             # is short), 2 elsewhere
     hidden: float = 0.0      # weight of the hidden-state loss (0 = logits KL only)
     embed: bool = False      # also train the token embedding / LM head (large, usually not needed)
     eval_windows: int = 8    # held-out calibration windows for the before/after measurement
     warmup: int = 2          # linear warm-up steps, then cosine decay to lr/10
-    # Wall-clock budget (0 = none): training progress is the larger of step/steps and
-    # elapsed/budget, so the lr decay and the passes' schedules still complete when time runs out.
+    # Wall-clock budget (0 = none): training progress is the larger of step/steps and the
+    # elapsed share of the budget, so the lr decay and the passes' schedules still complete when
+    # time runs out. The first step (which compiles) counts against the budget but not the share.
     minutes: float = 0.0
     # Training windows sampled from the source model (temperature 1), each continuing the first
     # _PROMPT tokens of a calibration window, added to the calibration windows. A file's worth of
     # windows is seen many times in a long heal and the student starts to fit those windows
     # rather than the source; samples are as many fresh windows as one asks for.
     sampled: int = 0
+    # bfloat16: autocast with fp32 master weights; float32: the weights' dtype, TF32 matmuls.
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # torch.compile backend of the forwards (auto: inductor on CUDA, off elsewhere)
+    compile: Literal["auto", "off", "inductor", "aot_eager"] = "auto"
+    kl_chunk: int = 4096     # rows of (rows, vocab) logits alive at once in the loss (0 = all)
 
     def __post_init__(self):
-        for k in ("steps", "seq_len", "batch", "eval_windows"):
+        for k in ("steps", "eval_windows"):
             if getattr(self, k) < 1:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
         if not self.lr > 0:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
-        if self.hidden < 0 or self.warmup < 0 or self.minutes < 0 or self.sampled < 0:
-            raise LlmaccelError("heal.hidden, heal.warmup, heal.minutes and heal.sampled must not "
-                                "be negative")
+        for k in ("hidden", "warmup", "minutes", "sampled", "seq_len", "batch", "kl_chunk"):
+            if getattr(self, k) < 0:
+                raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
 
 
 def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.nn.Parameter]:
@@ -104,15 +121,7 @@ def with_hidden(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     heads = [n for n in g.nodes if is_op(n, ops.lm_head)]
     if len(heads) != 1:
         raise LlmaccelError("heal.hidden needs a graph with exactly one lm_head")
-    x = heads[0].args[0]
-    if is_op(x, operator.getitem) and is_op(x.args[0], ops.add_rms_norm, ops.add_layer_norm):
-        fused = x.args[0]
-        with g.inserting_after(fused):
-            hidden = g.call_function(operator.add, (fused.args[0], fused.args[1]))
-    elif is_op(x, ops.rms_norm, ops.layer_norm):
-        hidden = x.args[0]
-    else:
-        hidden = x  # a norm some pass replaced: compare its output instead
+    hidden = residual_before_norm(g, heads[0])
     out = next(n for n in g.nodes if n.op == "output")
     out.args = ((out.args[0], hidden),)
     g.lint()
@@ -162,36 +171,41 @@ def _curve(losses: list[float]) -> tuple[list[float], int]:
     return [float(f"{v:.5g}") for v in pts], every
 
 
+_SYNC_EVERY = 8  # steps between reads of the loss (a read waits for the device)
+
+
 class Heal(Pass):
     name = "heal"
     summary = "self-distillation (KL on logits, optional hidden-state MSE) against the source model"
     exact = False
     config_cls = HealConfig
 
-    def _data(self, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _data(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(training windows, held-out windows, seconds spent sampling), seq_len + 1 tokens each:
+        the inputs and their next-token targets."""
         c = self.config
-        # seq_len + 1 tokens per window: the inputs and their next-token targets
         # Training cycles through the windows, so more than _MAX_WINDOWS distinct ones (more than
         # a file's worth, or minutes of sampling for calib=self) are never asked for.
-        n_train = min(c.steps * c.batch, _MAX_WINDOWS)
-        windows = ctx.calib_tokens(n_train + c.eval_windows, c.seq_len + 1)
+        n_train = min(c.steps * batch, _MAX_WINDOWS)
+        windows = ctx.calib_tokens(n_train + c.eval_windows, seq_len + 1)
         if len(windows) < c.eval_windows + 1:
             raise LlmaccelError(f"heal: calibration text gives {len(windows)} windows of "
-                                f"{c.seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
+                                f"{seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
         train, held = windows[: -c.eval_windows], windows[-c.eval_windows:]
+        t0 = time.perf_counter()
         if c.sampled:
-            train = torch.cat([train, self._sample(ctx, train)])
+            train = torch.cat([train, self._sample(ctx, train, seq_len)])
             # interleave file and sampled windows; seeded, so a compile is reproducible
             train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
-        return train.to(ctx.device), held.to(ctx.device)
+        return train.to(ctx.device), held.to(ctx.device), time.perf_counter() - t0
 
-    def _sample(self, ctx: PassContext, train: torch.Tensor) -> torch.Tensor:
+    def _sample(self, ctx: PassContext, train: torch.Tensor, seq_len: int) -> torch.Tensor:
         c = self.config
         model = ctx.source_model
-        prompts = train[torch.arange(c.sampled) % len(train), : min(_PROMPT, c.seq_len)]
+        prompts = train[torch.arange(c.sampled) % len(train), : min(_PROMPT, seq_len)]
         gen = torch.Generator(device=model.device).manual_seed(0)
         bs = _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
-        out = [continue_samples(model, prompts[i: i + bs], c.seq_len + 1, gen).cpu()
+        out = [continue_samples(model, prompts[i: i + bs], seq_len + 1, gen).cpu()
                for i in ctx.progress(range(0, c.sampled, bs), desc="heal: sampling")]
         return torch.cat(out)
 
@@ -203,72 +217,48 @@ class Heal(Pass):
         params = trainable_weights(gm, c.embed)
         if not params:
             raise LlmaccelError("heal: the graph has no float weights it may train")
-        train, held = self._data(ctx)
+        seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
+        train, held, sample_s = self._data(ctx, seq_len, batch)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())
         for h in hooks:
             h.heal_schedule(gm, 1.0)
-        before = held_out_quality(gm, teacher, held, c.batch)
-        student_fwd = with_hidden(gm) if c.hidden else gm
-        teacher_fwd = with_hidden(teacher) if c.hidden else teacher
+        before = held_out_quality(gm, teacher, held, batch)
+        dtype, backend = resolve_dtype(c.dtype, ctx.device), resolve_backend(c.compile, ctx.device)
         for p in params.values():
             p.requires_grad_(True)
-        opt = torch.optim.AdamW(list(params.values()), lr=c.lr, weight_decay=0.0)
-        losses: list[float] = []
-        t0 = time.perf_counter()
-        budget = 60 * c.minutes
         # TF32 matmuls for training only (about 2x on GPUs); before/after quality stays full fp32.
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
-            bar = ctx.progress(range(c.steps), desc="heal")
-            for step in bar:
-                frac = step / c.steps
-                if budget:
-                    frac = max(frac, (time.perf_counter() - t0) / budget)
-                    if frac >= 1.0:
-                        break
-                for h in hooks:
-                    h.heal_schedule(gm, frac)
-                idx = [(step * c.batch + j) % len(train) for j in range(c.batch)]
-                x = train[idx, :-1]
-                with torch.no_grad():
-                    t_out = teacher_fwd(x, _positions(x), None)
-                s_out = student_fwd(x, _positions(x), None)
-                if c.hidden:
-                    (s_log, s_h), (t_log, t_h) = s_out, t_out
-                    loss = kl_loss(s_log, t_log)
-                    loss = loss + c.hidden * F.mse_loss(s_h.float(), t_h.float()) / t_h.float().pow(2).mean()
-                else:
-                    loss = kl_loss(s_out, t_out)
-                for group in opt.param_groups:
-                    group["lr"] = _lr_at(step, frac, c)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
-                opt.step()
-                losses.append(loss.item())
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            with master_weights(params):
+                trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
+                                  dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log)
+                losses, timing = self._train(trainer, train, batch, hooks, gm, ctx)
         finally:
             torch.set_float32_matmul_precision(precision)
             for p in params.values():
                 p.requires_grad_(False)
                 p.grad = None
-        seconds = time.perf_counter() - t0
         finished: dict = {}
         for h in hooks:
             h.heal_schedule(gm, 1.0)
             finished.update(h.heal_finish(gm))
         gm.graph.lint()
         gm.recompile()
-        after = held_out_quality(gm, teacher, held, c.batch)
+        after = held_out_quality(gm, teacher, held, batch)
         curve, every = _curve(losses)
+        tokens = len(losses) * batch * seq_len
         stats = {
-            "steps": len(losses), "train_tokens": len(losses) * c.batch * c.seq_len,
-            "distinct_windows": min(len(train), len(losses) * c.batch), "sampled_windows": c.sampled,
+            "steps": len(losses), "batch": batch, "seq_len": seq_len, "train_tokens": tokens,
+            "distinct_windows": min(len(train), len(losses) * batch), "sampled_windows": c.sampled,
             "params_trained": sum(p.numel() for p in params.values()),
-            "seconds_per_step": round(seconds / max(1, len(losses)), 3),
+            "dtype": str(dtype or "float32").removeprefix("torch."),
+            "compiled": trainer.backend or "off",
+            **({"compile_error": trainer.compile_error} if trainer.compile_error else {}),
+            "sample_s": round(sample_s, 3), **timing,
+            "train_tok_s": round(tokens / timing["train_s"], 1),
+            "seconds_per_step": round(timing["train_s"] / max(1, len(losses)), 3),
             "held_out_tokens": held.shape[0] * (held.shape[1] - 1),
             "source_ppl": round(before["source_ppl"], 4),
             "ppl_before": round(before["ppl"], 4), "ppl_after": round(after["ppl"], 4),
@@ -279,6 +269,46 @@ class Heal(Pass):
             **finished,
         }
         return PassResult(gm, len(params), stats)
+
+    def _train(self, trainer: Trainer, train: torch.Tensor, batch: int, hooks, gm,
+               ctx: PassContext) -> tuple[list[float], dict]:
+        """The training loop: (loss per step, timing stats). Losses are read every _SYNC_EVERY
+        steps so that the host queues steps ahead of the device."""
+        c = self.config
+        seq_len = train.shape[1] - 1
+        budget = 60 * c.minutes
+        losses: list[float] = []
+        pending: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        t1 = first_s = None  # end of the first step (compilation included)
+        bar = ctx.progress(range(c.steps), desc="heal")
+        for step in bar:
+            frac = step / c.steps
+            if budget and t1 is not None:
+                left = budget - first_s
+                frac = max(frac, (time.perf_counter() - t1) / left) if left > 0 else 1.0
+                if frac >= 1.0:
+                    break
+            for h in hooks:
+                h.heal_schedule(gm, frac)
+            idx = (step * batch + torch.arange(batch, device=train.device)) % len(train)
+            pending.append(trainer.step(train[idx, :-1], _lr_at(step, frac, c)))
+            if step == 0 or len(pending) >= _SYNC_EVERY:
+                losses += torch.stack(pending).tolist()
+                pending = []
+                now = time.perf_counter()
+                if t1 is None:
+                    t1, first_s = now, now - t0
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}",
+                                    tok_s=f"{len(losses) * batch * seq_len / (now - t0):,.0f}")
+        if pending:
+            losses += torch.stack(pending).tolist()
+        end = time.perf_counter()
+        steady = len(losses) - 1
+        return losses, {"train_s": round(end - t0, 3), "first_step_s": round(first_s or 0.0, 3),
+                        "steady_tok_s": round(steady * batch * seq_len / (end - t1), 1)
+                        if steady and end > t1 else None}
 
 
 PASS = Heal

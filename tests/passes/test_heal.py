@@ -141,7 +141,7 @@ def test_sampled_windows_continue_calibration_prompts_and_train():
     ctx = _ctx(src, m)
     heal = get_pass("heal")(make_config(get_pass("heal"), {"steps": "6", "seq_len": "40", "batch": "2",
                                                            "eval_windows": "2", "sampled": "5"}))
-    train, held = heal._data(ctx)
+    train, held, _ = heal._data(ctx, 40, 2)
     calib = ctx.calib_tokens(12 + 2, 41)
     assert train.shape == (12 + 5, 41) and torch.equal(held, calib[-2:])
     file_rows = {tuple(r.tolist()) for r in calib[:-2]}
