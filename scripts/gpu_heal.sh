@@ -9,7 +9,8 @@
 #   heal option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
 #   a variant reuses its base job's unhealed compile, so list the base job too for that column.
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
-# Healing runs in float32 (AdamW updates vanish in bf16 weights). Loss curves are in each
+# Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
+# heal.dtype, docs/quality.md). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.
 # Not a row of the GPU suite (python -m llmaccel.bench.suite), whose rows run one at a time under
 # one deadline and report speed: these jobs measure quality and must run at the same time, each

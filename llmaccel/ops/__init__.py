@@ -11,7 +11,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from llmaccel.ops.attention import causal_attention
-from llmaccel.ops.rope import rope_inv_freq
+from llmaccel.ops.rope import rope_at, rope_inv_freq
 
 __all__ = [
     "embedding", "linear", "rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "rope",
@@ -59,16 +59,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, head_dim: int, theta: floa
 
     Frequencies come from the structural kwargs (fp32, never stored in a lower precision).
     """
-    B, T, _ = x.shape
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(x.device)
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(x.dtype)[:, :, None, :]
-    sin = emb.sin().to(x.dtype)[:, :, None, :]
-    h = x.view(B, T, -1, head_dim)
-    x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
-    rot = torch.cat((-x2, x1), dim=-1)
-    return (h * cos + rot * sin).reshape(B, T, -1)
+    return rope_at(x, positions, rope_inv_freq(head_dim, theta, scaling).to(x.device),
+                   head_dim=head_dim)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, *, layer: int, n_heads: int,

@@ -31,3 +31,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         medium = ~(wl < hi_wl) & ~(wl > lo_wl)
         return torch.where(medium, smoothed, scaled)
     raise LlmaccelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+            head_dim: int) -> torch.Tensor:
+    """ops.rope's math with the frequencies given (fp32, on x's device), so that a caller that
+    runs it many times (a compiled training step) computes them once."""
+    B, T, _ = x.shape
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(x.dtype)[:, :, None, :]
+    sin = emb.sin().to(x.dtype)[:, :, None, :]
+    h = x.view(B, T, -1, head_dim)
+    x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (h * cos + rot * sin).reshape(B, T, -1)

@@ -235,6 +235,9 @@ class Heal(Pass):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log)
                 losses, timing = self._train(trainer, train, batch, hooks, gm, ctx)
+        except torch.cuda.OutOfMemoryError as e:
+            raise LlmaccelError(f"heal: out of device memory training {batch} x {seq_len} tokens "
+                                f"per step; set heal.batch lower") from e
         finally:
             torch.set_float32_matmul_precision(precision)
             for p in params.values():

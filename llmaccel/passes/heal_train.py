@@ -39,6 +39,7 @@ from llmaccel import ops
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import is_op, weight_of
+from llmaccel.ops.rope import rope_at, rope_inv_freq
 
 _GPU_TOKENS = 16384   # training tokens per step on CUDA unless memory bounds it
 _GPU_SEQ = 512
@@ -137,7 +138,29 @@ def heal_view(gm: torch.fx.GraphModule, hidden: bool) -> tuple[torch.fx.GraphMod
     out.args = (tuple(outs),)
     g.eliminate_dead_code()
     g.lint()
-    return torch.fx.GraphModule(gm, g, class_name="heal_view"), head or Head(None, None)
+    view = torch.fx.GraphModule(gm, g, class_name="heal_view")
+    _rope_frequencies_once(view, next(gm.parameters()).device)
+    return view, head or Head(None, None)
+
+
+def _rope_frequencies_once(view: torch.fx.GraphModule, device) -> None:
+    """ops.rope computes its frequencies on the host at every call and copies them over, which
+    in a compiled CUDA step is a host-side kernel and a synchronizing copy per layer: here they
+    are buffers on the device, computed once (the same values), and read by rope_at."""
+    names: dict[tuple, str] = {}
+    for n in list(view.graph.nodes):
+        if not is_op(n, ops.rope):
+            continue
+        kw = n.kwargs
+        key = (kw["head_dim"], kw["theta"], repr(kw.get("scaling")))
+        if key not in names:
+            names[key] = f"_heal_rope{len(names)}"
+            view.register_buffer(names[key], rope_inv_freq(kw["head_dim"], kw["theta"],
+                                                           kw.get("scaling")).to(device))
+        with view.graph.inserting_before(n):
+            freq = view.graph.get_attr(names[key])
+        n.target, n.args, n.kwargs = rope_at, (*n.args[:2], freq), {"head_dim": kw["head_dim"]}
+    view.recompile()
 
 
 def kl_rows(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

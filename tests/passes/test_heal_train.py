@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.heal import _lr_at, kl_loss, trainable_weights
-from llmaccel.passes.heal_train import Head, Trainer, chunked_kl
+from llmaccel.passes.heal_train import Head, Trainer, chunked_kl, heal_view
 
 OPTS = dict(steps=6, lr=3e-3, seq_len=32, batch=4, warmup=2, eval_windows=2)
 
@@ -160,3 +161,33 @@ def test_failed_compilation_in_auto_mode_falls_back_to_eager():
     loss = tr.step(torch.randint(0, 512, (2, 8)), 1e-3)
     assert math.isfinite(loss.item()) and tr.backend is None
     assert "no backend here" in tr.compile_error and logs
+
+
+@pytest.mark.parametrize("src", ["preset:tiny-llama", "preset:tiny-gpt2"])
+def test_view_stops_before_the_head_with_the_same_values(src):
+    gm = load(src).gm
+    view, head = heal_view(gm, hidden=True)
+    assert not any(n.target is ops.rope for n in view.graph.nodes)  # frequencies as buffers
+    x = torch.randint(0, 512, (2, 9))
+    pos = torch.arange(9).expand_as(x)
+    h, resid = view(x, pos, None)
+    assert torch.equal(F.linear(h, head.weight, head.bias), gm(x, pos, None))
+    assert resid.shape == h.shape and not torch.equal(resid, h)
+
+
+def test_throughput_script_small_prints_one_json_line(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_heal_throughput.py"
+    spec = importlib.util.spec_from_file_location("gpu_heal_throughput", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "t.json"
+    assert mod.main(["--small", "--steps", "3", "--old-steps", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == res
+    assert res["new"]["steps"] == 3 and res["old"]["steps"] == 2 and res["old"]["batch"] == 4
+    assert res["new"]["train_tok_s"] > 0 and res["ratio_train_tok_s"] > 0
+    assert mod.main(["--small", "--set", "heal.dtype=float64"]) == 2  # a bad option: one line
