@@ -172,17 +172,24 @@ def kl_rows(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (pt * (lt - ls)).sum(), ls.exp() * pt.sum(-1, keepdim=True) - pt
 
 
-def _logits(h: torch.Tensor, head: Head, dtype: torch.dtype | None) -> torch.Tensor:
+def _in_dtype(head: Head, h: torch.Tensor, dtype: torch.dtype | None) -> Head:
+    """The head in the dtype its matmul runs in (cast once, not once per chunk)."""
+    if head.weight is None:
+        return head
+    cd = dtype or torch.promote_types(h.dtype, head.weight.dtype)
+    return Head(*(None if t is None else t.to(cd) for t in head))
+
+
+def _logits(h: torch.Tensor, head: Head) -> torch.Tensor:
     if head.weight is None:
         return h
-    cd = dtype or torch.promote_types(h.dtype, head.weight.dtype)
-    return F.linear(h.to(cd), head.weight.to(cd), None if head.bias is None else head.bias.to(cd))
+    return F.linear(h.to(head.weight.dtype), head.weight, head.bias)
 
 
 class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, w, b, ht, t_head, chunk, dtype, rows_fn):
-        head = Head(w, b)
+        head, t_head = _in_dtype(Head(w, b), hs, dtype), _in_dtype(t_head, ht, dtype)
         n = hs.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(hs) if need_h else None
@@ -192,16 +199,16 @@ class _ChunkedKL(torch.autograd.Function):
         with torch.autocast(hs.device.type, enabled=False):
             for i in range(0, n, chunk):
                 h = hs[i: i + chunk]
-                loss, g = rows_fn(_logits(h, head, dtype), _logits(ht[i: i + chunk], t_head, dtype))
+                loss, g = rows_fn(_logits(h, head), _logits(ht[i: i + chunk], t_head))
                 total += loss
                 g = g / n
                 if w is None:
                     if need_h:
                         gh[i: i + chunk] = g
                     continue
-                gc = g.to(dtype or torch.promote_types(h.dtype, w.dtype))
+                gc = g.to(head.weight.dtype)
                 if need_h:
-                    gh[i: i + chunk] = gc @ w.to(gc.dtype)
+                    gh[i: i + chunk] = gc @ head.weight
                 if need_w:
                     gw += (gc.T @ h.to(gc.dtype)).float()
                 if need_b:
