@@ -296,7 +296,7 @@ class Heal(Pass):
                 h.heal_schedule(gm, frac)
             idx = (step * batch + torch.arange(batch, device=train.device)) % len(train)
             pending.append(trainer.step(train[idx, :-1], _lr_at(step, frac, c)))
-            if step == 0 or len(pending) >= _SYNC_EVERY:
+            if step in (0, c.steps - 1) or len(pending) >= _SYNC_EVERY:
                 losses += torch.stack(pending).tolist()
                 pending = []
                 now = time.perf_counter()
