@@ -113,6 +113,11 @@ def test_load_with_disconnects_and_bad_requests(server):
     assert res["ok"], (res["checks"], res["problems"])
     assert res["requests"]["cancel"] > 10 and res["requests"]["bad"] > 5
     assert res["kv_blocks_used_after"] == 0
+    # the figures that say who set the pace: the engine's steps and time in them during the
+    # run (from /metrics), the client's CPU time, the time to each response's headers
+    eng = res["engine"]
+    assert eng["steps"] > 0 and 0 < eng["busy_s"] <= res["wall_s"] + 1.0
+    assert 0 < res["client_cpu_s"] and 0 < res["accepted_s"]["p50"] <= res["ttft_s"]["p50"]
 
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
