@@ -148,7 +148,7 @@ def _kernels(logits: torch.Tensor):
     """The sampling kernel module for CUDA logits whose device passed kernel_check, else None."""
     if not logits.is_cuda:
         return None
-    return None if kernel_check(logits.device) else _sampling_module()
+    return None if kernel_check(logits.device, logits.shape[-1], logits.dtype) else _sampling_module()
 
 
 def _sampling_module():
@@ -156,34 +156,40 @@ def _sampling_module():
     return sampling
 
 
-def kernel_check(device) -> str | None:
-    """Why the sampling kernel does not serve this CUDA device (None: it does). Checked once
-    per device, against the reference on a small batch; LLM checks at start-up, outside any
-    CUDA graph capture. Where it fails, CUDA rows are drawn by sample_sorted."""
+def kernel_check(device, vocab: int = 5000, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the sampling kernels do not serve logits of this width and dtype on this CUDA device
+    (None: they do). Checked once per (device, vocab, dtype) against the reference on 8 rows in
+    every mode a step draws in, so the variants a step launches compile here (LLM checks its
+    model's at start-up, outside any CUDA graph capture). Where it fails, CUDA rows are drawn
+    by sample_sorted."""
     from llmaccel.kernels import device_index
-    return _check(device_index(torch.device(device)))
+    return _check(device_index(torch.device(device)), vocab, dtype)
 
 
 @functools.cache
-def _check(index: int) -> str | None:
+def _check(index: int, vocab: int, dtype: torch.dtype) -> str | None:
     kern = _sampling_module()
     if not kern.HAS_TRITON:
         return "triton is not installed"
     dev = torch.device("cuda", index)
     g = torch.Generator().manual_seed(0)
-    # above 4096 logits (the chunk kernels, as real vocabularies) and 8 rows (their three
-    # rounds): the kernel variants a step at a real vocabulary launches compile here, not inside
-    # a served step
-    x = (torch.randn(8, 5000, generator=g) * 3).to(dev)
-    args = [torch.tensor(v * 2, device=dev) for v in ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5])]
-    seeds, pos = torch.arange(8, device=dev) + (7 << 33), torch.arange(8, device=dev)
+    B = 8  # at least CHUNK_ROUNDS_FROM rows: every round of the chunk kernels runs
+    x = (torch.randn(B, vocab, generator=g) * 3).to(dtype).to(dev)
+    t, k, p = (torch.tensor(v * (B // 4), device=dev) for v in
+               ([0.0, 0.8, 1.0, 0.7], [0, 0, 20, 0], [1.0, 0.9, 1.0, 0.5]))
+    seeds, pos = torch.arange(B, device=dev) + (7 << 33), torch.arange(B, device=dev)
     u = round_uniforms(seeds, pos, ROUNDS)
-    try:
-        same = (torch.equal(kern.sample_triton(x, *args, seeds, pos, ROUNDS), sample_reference(x, *args, u))
-                and torch.equal(kern.argmax_triton(x), x.argmax(-1)))
+    no_k, no_p = torch.zeros_like(k), torch.ones_like(p)
+    try:  # greedy, sampled without filters ("sample": one round), filtered
+        parted = [(kern.sample_triton(x, t, no_k, no_p, seeds, pos, 1) !=
+                   sample_reference(x, t, no_k, no_p, u[:, :1])).sum().item(),
+                  (kern.sample_triton(x, t, k, p, seeds, pos, ROUNDS) !=
+                   sample_reference(x, t, k, p, u)).sum().item()]
+        greedy = torch.equal(kern.argmax_triton(x), x.argmax(-1))
     except Exception as e:  # noqa: BLE001 - any compile or launch failure: the torch path serves
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-    return None if same else "its tokens differ from the reference's"
+    # a row may part where its uniform falls within rounding of a token boundary: one of 8
+    return None if greedy and max(parted) <= 1 else "its tokens differ from the reference's"
 
 
 def sample_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -241,7 +247,8 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         sup = intop & (e > low[:, None])
         w = torch.where(sup, e, 0.0)
         hit = (w.cumsum(-1) >= (u[:, r] * mass)[:, None]) & sup
-        last = torch.where(sup, cols, -1).max(-1).values  # when rounding leaves the target unmet
+        # when rounding leaves the target unmet: the last token that can be drawn (e > 0)
+        last = torch.where(sup & (e > 0), cols, -1).max(-1).values
         j = torch.where(hit.any(-1), hit.int().argmax(-1), last)
         ej = e.gather(1, j.clamp_min(0)[:, None])[:, 0]  # rows done earlier may have none left
         above = torch.where(intop & (e > ej[:, None]), e, 0.0).sum(-1)

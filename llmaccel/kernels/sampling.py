@@ -191,7 +191,7 @@ if HAS_TRITON:
                     jj = tl.min(tl.where((cs >= target) & sup, cols, V), 0)
                     ej = tl.sum(tl.where(cols == jj, w, 0.0), 0)
                     j = tl.where(jj < V, jj, -1)
-                    ll = tl.max(tl.where(sup, cols, -1), 0)
+                    ll = tl.max(tl.where(sup & (w > 0), cols, -1), 0)  # a token that can be drawn
                     last_e = tl.where(ll >= 0, tl.sum(tl.where(cols == ll, w, 0.0), 0), last_e)
                     last = tl.maximum(last, ll)
                     c += tl.sum(w, 0)
@@ -286,7 +286,6 @@ if HAS_TRITON:
                 mass = tl.sum(w, 0)
                 low = -1.0
                 go = True
-                fall = S - 1  # rounding may leave the target unmet: the last token, as the reference
                 if c == 0:
                     tl.store(frow + row, m)
                     tl.store(frow + B + row, mass)
@@ -300,10 +299,11 @@ if HAS_TRITON:
                 if (c == 0) & (go == 0):
                     tl.store(irow + B + row, tl.load(irow + 2 * B + row))
                     tl.store(irow + row, 0)
-                fall = tl.max(tl.where((so < S) & (w > 0), so, 0), 0)
             if go:
                 target = _uniform(_row_hash(seed_ptr, pos_ptr, row), rr) * mass
                 hit = tl.min(tl.where((tl.cumsum(w, 0) >= target) & (so < S), so, S), 0)
+                # rounding may leave the target unmet: the last token with mass, as the reference
+                fall = tl.max(tl.where((so < S) & (w > 0), so, 0), 0)
                 if c == tl.where(hit < S, hit, fall):
                     cols = c * CH + tl.arange(0, CH)
                     msk = cols < V
@@ -313,7 +313,10 @@ if HAS_TRITON:
                     ws = tl.where(sup, e, 0.0)
                     cs = tl.cumsum(ws, 0) + tl.sum(tl.where(so < c, w, 0.0), 0)
                     j = tl.min(tl.where((cs >= target) & sup, cols, V), 0)
-                    j = tl.where(j < V, j, tl.max(tl.where(sup, cols, -1), 0))
+                    last = tl.max(tl.where(ws > 0, cols, -1), 0)
+                    # (no token with mass left in the chunk: exp flushed them to zero)
+                    last = tl.where(last >= 0, last, tl.max(tl.where(sup, cols, -1), 0))
+                    j = tl.where(j < V, j, last)
                     tl.store(irow + 2 * B + row, j)
                     tl.store(frow + 2 * B + row, tl.sum(tl.where(cols == j, ws, 0.0), 0))
 

@@ -88,7 +88,7 @@ class LLM(DecodeSteps):
             bpt, max_num_batched_tokens, gpu_memory_utilization)
         on_cuda = str(self.device).startswith("cuda")
         # the sampling kernel proven on this device before any graph captures the sampler
-        self.sampler_fallback = kernel_check(self.device) if on_cuda else None
+        self.sampler_fallback = kernel_check(self.device, self.cfg.vocab_size, self.dtype) if on_cuda else None
         if self.sampler_fallback:
             warnings.warn(f"sampling runs in sorted torch ops: the sampling kernel failed its "
                           f"check ({self.sampler_fallback})")

@@ -89,6 +89,26 @@ def test_top_k_keeps_every_tie_of_the_kth_value():
 
 
 @cpu_kernels
+def test_no_zero_probability_token_where_rounding_leaves_the_target_unmet():
+    """Each row's first chunk holds exactly u_0 of the mass and ends in a -inf logit: the
+    chunk sums and the running sum inside the chunk round apart, the target may be unmet
+    there, and the draw falls back to the last token that has mass (never token 63)."""
+    B, V = 64, 128
+    seeds, pos = torch.arange(B) * 977 + 3, torch.full((B,), 5)
+    u = round_uniforms(seeds, pos, 1)[:, 0].double()
+    lg = torch.randn(B, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.5
+    lg[:, 63] = -float("inf")
+    a, b = lg[:, :64].exp().sum(1), lg[:, 64:].exp().sum(1)
+    lg[:, :64] += torch.log(u * b / (1 - u) / a)[:, None]
+    ones, zeros = torch.ones(B), torch.zeros(B, dtype=torch.int64)
+    for chunk in (0, 64):
+        got = kern.sample_triton(lg.float(), ones, zeros, ones, seeds, pos, 1, chunk=chunk)
+        assert not (got == 63).any()
+    want = sample_reference(lg.float(), ones, zeros, ones, round_uniforms(seeds, pos, 1))
+    assert not (want == 63).any()
+
+
+@cpu_kernels
 def test_kernel_hashes_the_uniforms_of_round_uniforms():
     """The kernel's in-kernel hash (int64 arithmetic in Triton) equals round_uniforms': with
     top_p = 1 and no top-k one round inverts the CDF at u[:, 0], so the token reveals u."""
@@ -125,3 +145,4 @@ def test_greedy_kernel_is_the_first_argmax():
 def test_the_kernel_serves_this_gpu():
     from llmaccel.sampling import kernel_check
     assert kernel_check("cuda") is None
+    assert kernel_check("cuda", 128256, torch.bfloat16) is None  # Llama's vocabulary, as LLM checks it
