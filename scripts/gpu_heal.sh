@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Heals of every architecture pass on one CUDA device, side by side (SmolLM2-135M is small: the
-# jobs share the GPU), then the quality protocol on held-out text (second half of WikiText-2
-# test, 8192 tokens, ctx 512: the compile report's held-apart check) for the healed and the
-# unhealed artifacts.
+# Heals of the architecture passes on one CUDA device, one job after the other (a heal batches
+# ~16k tokens a step and compiles its forwards: it has the GPU to itself), each after the pass's
+# layer-local fitting where the pass has one that helps (gqa, sla, bitlinear: PASS.fit=true),
+# then the quality protocol on held-out text (second half of WikiText-2 test, 8192 tokens, ctx
+# 512: the compile report's held-apart check) for the healed and the unhealed artifacts.
 # Usage: scripts/gpu_heal.sh [MINUTES] [OUTDIR] [JOBS...]
-#   MINUTES: wall-clock heal budget per job (heal.minutes; default 6), OUTDIR default out/heal-gpu,
+#   MINUTES: wall-clock heal budget per job (heal.minutes, the first step's compilation
+#   included; default 4), OUTDIR default out/heal-gpu,
 #   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all), each optionally followed by
 #   heal option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
 #   a variant reuses its base job's unhealed compile, so list the base job too for that column.
@@ -12,11 +14,11 @@
 # Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
 # heal.dtype, docs/quality.md). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.
-# Not a row of the GPU suite (python -m llmaccel.bench.suite), whose rows run one at a time under
-# one deadline and report speed: these jobs measure quality and must run at the same time, each
-# healing for minutes.
+# Not a row of the GPU suite (python -m llmaccel.bench.suite), whose rows report speed under one
+# deadline: these jobs measure quality, minutes each; give a device call the jobs that fit its
+# limit (two at the default budget).
 set -uo pipefail
-MIN=${1:-6}
+MIN=${1:-4}
 OUT=${2:-out/heal-gpu}
 shift $(( $# >= 2 ? 2 : $# ))
 JOBS=${*:-gqa1 relu drelu repbn sla bitlinear}
@@ -25,16 +27,17 @@ PY=${PY:-python}
 LLMC=${LLMC:-$PY -m llmaccel.cli}
 TEXT=${TEXT:-data/wikitext2/wiki.test.raw}
 mkdir -p "$OUT"
-HEAL="--set heal.steps=100000 --set heal.minutes=$MIN --set heal.seq_len=512 --set heal.batch=4 --set heal.warmup=50 --set heal.eval_windows=16"
+# the heal's device defaults: bf16 autocast, Inductor, 512-token windows, ~16k tokens a step
+HEAL="--set heal.steps=100000 --set heal.minutes=$MIN --set heal.warmup=20 --set heal.eval_windows=16"
 
 passes_of() {  # job -> pass list and options
   case $1 in
-    gqa1) echo "gqa --set gqa.kv_heads=1" ;;
+    gqa1) echo "gqa --set gqa.kv_heads=1 --set gqa.fit=true" ;;
     relu) echo "relu --set relu.kind=relu" ;;
     drelu) echo "relu --set relu.kind=drelu" ;;
     repbn) echo "repbn" ;;
-    sla) echo "sla" ;;
-    bitlinear) echo "bitlinear --set bitlinear.warmup=0.2" ;;
+    sla) echo "sla --set sla.fit=true" ;;
+    bitlinear) echo "bitlinear --set bitlinear.warmup=0.2 --set bitlinear.fit=true" ;;
     *) echo "unknown job $1" >&2; return 1 ;;
   esac
 }
@@ -57,8 +60,7 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
   echo "$name done"
 }
 
-for j in $JOBS; do job "$j" & done
-wait
+for j in $JOBS; do job "$j"; done
 # sparsity after heal (heal changes the weights, so the relu pass's own figure is pre-heal)
 for j in relu drelu; do [ -d "$OUT/$j" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$j" --text "$TEXT" --device cuda; done \
   | tee "$OUT/sparsity.txt"
