@@ -29,8 +29,21 @@ DOMAINS: dict[str, tuple[str, str]] = {
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
-def domain_tokens(tokenizer, max_tokens: int, names=None) -> dict[str, torch.Tensor]:
-    """{domain: the first max_tokens token ids of its evaluation text}."""
+def text_encoder(model) -> Callable[[str], list[int]]:
+    """text -> token ids for `model`: its tokenizer; for a model without one (a preset) whose
+    vocabulary has at least 256 ids, the text's UTF-8 bytes, one id per byte, so that a preset
+    still sees text of distinct kinds."""
+    if getattr(model, "tokenizer_dir", None) is not None:
+        tok = model.tokenizer
+        return lambda text: tok(text).input_ids
+    if model.config.vocab_size >= 256:
+        return lambda text: list(text.encode("utf-8"))
+    raise LlmaccelError(f"{model.source} has no tokenizer and fewer than 256 token ids: "
+                        "no text can be encoded for it")
+
+
+def domain_tokens(encode: Callable[[str], list[int]], max_tokens: int, names=None) -> dict[str, torch.Tensor]:
+    """{domain: the first max_tokens token ids of its evaluation text}, by `encode` (text_encoder)."""
     names = list(DOMAINS) if names is None else list(names)
     out = {}
     for name in names:
@@ -40,7 +53,7 @@ def domain_tokens(tokenizer, max_tokens: int, names=None) -> dict[str, torch.Ten
         path = DATA_DIR / rel
         if not path.is_file():
             raise LlmaccelError(f"domain {name}: missing text {path}")
-        ids = tokenizer(read_split(str(path), split)).input_ids[:max_tokens]
+        ids = encode(read_split(str(path), split))[:max_tokens]
         if len(ids) < 2:
             raise LlmaccelError(f"domain {name}: fewer than 2 tokens")
         out[name] = torch.tensor(ids, dtype=torch.long)
@@ -99,4 +112,4 @@ def compare(source: Forward, models: dict[str, Forward], tokens: dict[str, torch
     return out
 
 
-__all__ = ["DOMAINS", "DATA_DIR", "domain_tokens", "window_batches", "graph_forward", "compare"]
+__all__ = ["DOMAINS", "DATA_DIR", "text_encoder", "domain_tokens", "window_batches", "graph_forward", "compare"]

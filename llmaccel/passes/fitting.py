@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
-from llmaccel.eval.domains import compare, domain_tokens, graph_forward
+from llmaccel.eval.domains import compare, domain_tokens, graph_forward, text_encoder
 from llmaccel.ir import is_op, replace_weight, weight_of
 
 
@@ -280,7 +280,7 @@ def quality(ctx, graphs: dict[str, torch.fx.GraphModule], tokens: int) -> dict |
     if src is None or getattr(src, "tokenizer_dir", None) is None:
         return "skipped: the source model has no tokenizer (a preset); no domain text to score"
     t0 = time.perf_counter()
-    toks = domain_tokens(src.tokenizer, tokens)
+    toks = domain_tokens(text_encoder(src), tokens)
     res = compare(graph_forward(src.gm), {k: graph_forward(g) for k, g in graphs.items()}, toks,
                   device=ctx.device)
     res["seconds"] = round(time.perf_counter() - t0, 1)

@@ -13,9 +13,12 @@ vocabulary `heal.kl_chunk` rows at a time. On a CPU: fp32, eager, 2 x 64 tokens.
 
 Quality is measured on calibration windows held out from training (the last `eval_windows`
 windows of the calibration text), before and after, so the report says what healing bought;
-the stats also give the training throughput (`train_tok_s`, tokens per second of the training
-loop, compilation included; `steady_tok_s` without the first step, which compiles) and the
-seconds spent sampling training windows (`sample_s`).
+and on every evaluation domain (heal_data.DomainEval: wikitext2's second half and texts of
+other domains, never trained on) before, at `domain_evals` points during, and after the heal.
+The stats also give the training throughput (`train_tok_s`, tokens per second of the training
+loop, compilation and domain measurements excluded; `steady_tok_s` without the first step,
+which compiles) and the sampling of training windows by the engine (`sample_s`,
+`sample_tok_s`).
 """
 from __future__ import annotations
 
@@ -31,19 +34,19 @@ import torch.nn.functional as F
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
-from llmaccel.eval.text import continue_samples
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.heal_data import (PROMPT_TOKENS, DomainEval, engine_samples, prompt_ids,
+                                       resolve_prompts)
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype, residual_before_norm)
 from llmaccel.ir import is_op, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
 _MAX_WINDOWS = 4096
-_PROMPT = 32         # calibration tokens that start each sampled window
-# Sequences sampled at once. Memory: the fp32 KV cache (B x seq_len) and the prompt's logits
-# (B x 32 x vocab): ~15 GB for SmolLM2 at 512 on CUDA, so several heals can share one GPU.
-_SAMPLE_BATCH = {"cuda": 512, "cpu": 16}
+# Sequences the engine samples at once (its max_num_seqs); the KV cache holds that many whole
+# windows: ~3 GB for SmolLM2 at 512 tokens in bf16 on CUDA, so several heals can share one GPU.
+_SAMPLE_BATCH = {"cuda": 256, "cpu": 16}
 
 
 @dataclass
@@ -64,11 +67,21 @@ class HealConfig:
     # elapsed share of the budget, so the lr decay and the passes' schedules still complete when
     # time runs out. The first step (which compiles) counts against the budget but not the share.
     minutes: float = 0.0
-    # Training windows sampled from the source model (temperature 1), each continuing the first
-    # _PROMPT tokens of a calibration window, added to the calibration windows. A file's worth of
-    # windows is seen many times in a long heal and the student starts to fit those windows
-    # rather than the source; samples are as many fresh windows as one asks for.
+    # Training windows sampled from the source model by the engine (temperature 1), added to
+    # the calibration windows. A file's worth of windows is seen many times in a long heal and
+    # the student starts to fit those windows rather than the source; samples are as many fresh
+    # windows as one asks for.
     sampled: int = 0
+    # What the sampled windows continue: calib, the first 32 tokens of calibration windows;
+    # mixed, half of those and half built-in openings of code, dialogue, instructions,
+    # documentation and lists (eval/prompts.py); auto: mixed when the model has a tokenizer.
+    prompts: Literal["auto", "calib", "mixed"] = "auto"
+    seed: int = 0            # seeds the sampled windows and the order of training windows
+    # Quality on every evaluation domain (eval/domains.py) against the source: the first
+    # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
+    # evenly spaced points of training progress, and after.
+    domain_tokens: int = 2048
+    domain_evals: int = 4
     # bfloat16: autocast with fp32 master weights; float32: the weights' dtype, TF32 matmuls.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # torch.compile backend of the forwards (auto: inductor on CUDA, off elsewhere)
@@ -81,7 +94,8 @@ class HealConfig:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
         if not self.lr > 0:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
-        for k in ("hidden", "warmup", "minutes", "sampled", "seq_len", "batch", "kl_chunk"):
+        for k in ("hidden", "warmup", "minutes", "sampled", "seq_len", "batch", "kl_chunk",
+                  "seed", "domain_tokens", "domain_evals"):
             if getattr(self, k) < 0:
                 raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
 
@@ -180,9 +194,9 @@ class Heal(Pass):
     exact = False
     config_cls = HealConfig
 
-    def _data(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(training windows, held-out windows, seconds spent sampling), seq_len + 1 tokens each:
-        the inputs and their next-token targets."""
+    def _data(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(training windows, held-out windows, sampling stats), seq_len + 1 tokens each: the
+        inputs and their next-token targets."""
         c = self.config
         # Training cycles through the windows, so more than _MAX_WINDOWS distinct ones (more than
         # a file's worth, or minutes of sampling for calib=self) are never asked for.
@@ -192,22 +206,23 @@ class Heal(Pass):
             raise LlmaccelError(f"heal: calibration text gives {len(windows)} windows of "
                                 f"{seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
         train, held = windows[: -c.eval_windows], windows[-c.eval_windows:]
-        t0 = time.perf_counter()
+        stats: dict = {"sample_s": 0.0}
         if c.sampled:
-            train = torch.cat([train, self._sample(ctx, train, seq_len)])
+            sampled, stats = self._sample(ctx, train, seq_len)
+            train = torch.cat([train.cpu(), sampled])
             # interleave file and sampled windows; seeded, so a compile is reproducible
-            train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))]
-        return train.to(ctx.device), held.to(ctx.device), time.perf_counter() - t0
+            train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed))]
+        return train.to(ctx.device), held.to(ctx.device), stats
 
-    def _sample(self, ctx: PassContext, train: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def _sample(self, ctx: PassContext, train: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, dict]:
         c = self.config
         model = ctx.source_model
-        prompts = train[torch.arange(c.sampled) % len(train), : min(_PROMPT, seq_len)]
-        gen = torch.Generator(device=model.device).manual_seed(0)
+        kind = resolve_prompts(c.prompts, model)
+        prompts = prompt_ids(model, train, c.sampled, kind, min(PROMPT_TOKENS, max(1, seq_len // 2)))
+        ctx.progress.log(f"heal: sampling {c.sampled} windows of {seq_len + 1} tokens ({kind} prompts)")
         bs = _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
-        out = [continue_samples(model, prompts[i: i + bs], seq_len + 1, gen).cpu()
-               for i in ctx.progress(range(0, c.sampled, bs), desc="heal: sampling")]
-        return torch.cat(out)
+        windows, stats = engine_samples(model, prompts, seq_len + 1, seed=c.seed, max_seqs=bs)
+        return windows, {"prompts": kind, **stats}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config
@@ -218,12 +233,14 @@ class Heal(Pass):
         if not params:
             raise LlmaccelError("heal: the graph has no float weights it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
-        train, held, sample_s = self._data(ctx, seq_len, batch)
+        train, held, sampling = self._data(ctx, seq_len, batch)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())
         for h in hooks:
             h.heal_schedule(gm, 1.0)
         before = held_out_quality(gm, teacher, held, batch)
+        domains = DomainEval(ctx.source_model, c.domain_tokens, c.domain_evals, ctx.device)
+        domains.measure(gm, 0, 0)
         dtype, backend = resolve_dtype(c.dtype, ctx.device), resolve_backend(c.compile, ctx.device)
         for p in params.values():
             p.requires_grad_(True)
@@ -234,7 +251,7 @@ class Heal(Pass):
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log)
-                losses, timing = self._train(trainer, train, batch, hooks, gm, ctx)
+                losses, timing = self._train(trainer, train, batch, hooks, gm, ctx, domains)
         except torch.cuda.OutOfMemoryError as e:
             raise LlmaccelError(f"heal: out of device memory training {batch} x {seq_len} tokens "
                                 f"per step; set heal.batch lower") from e
@@ -252,6 +269,7 @@ class Heal(Pass):
         after = held_out_quality(gm, teacher, held, batch)
         curve, every = _curve(losses)
         tokens = len(losses) * batch * seq_len
+        domains.measure(gm, len(losses), tokens)
         stats = {
             "steps": len(losses), "batch": batch, "seq_len": seq_len, "train_tokens": tokens,
             "distinct_windows": min(len(train), len(losses) * batch), "sampled_windows": c.sampled,
@@ -259,7 +277,7 @@ class Heal(Pass):
             "dtype": str(dtype or "float32").removeprefix("torch."),
             "compiled": trainer.backend or "off",
             **({"compile_error": trainer.compile_error} if trainer.compile_error else {}),
-            "sample_s": round(sample_s, 3), **timing,
+            **sampling, **timing,
             "train_tok_s": round(tokens / timing["train_s"], 1),
             "seconds_per_step": round(timing["train_s"] / max(1, len(losses)), 3),
             "held_out_tokens": held.shape[0] * (held.shape[1] - 1),
@@ -269,14 +287,17 @@ class Heal(Pass):
             "delta_ppl_pct_after": round(after["delta_ppl_pct"], 3),
             "kl_before": round(before["kl"], 5), "kl_after": round(after["kl"], 5),
             "loss_curve_every": every, "loss_curve": curve,
+            **domains.stats(),
             **finished,
         }
         return PassResult(gm, len(params), stats)
 
     def _train(self, trainer: Trainer, train: torch.Tensor, batch: int, hooks, gm,
-               ctx: PassContext) -> tuple[list[float], dict]:
+               ctx: PassContext, domains: DomainEval) -> tuple[list[float], dict]:
         """The training loop: (loss per step, timing stats). Losses are read every _SYNC_EVERY
-        steps so that the host queues steps ahead of the device."""
+        steps so that the host queues steps ahead of the device. When training progress reaches
+        one of `domains`' points, the student is measured there in its inference state (the
+        training forms at 1.0); that time is left out of the clock (budget and throughput)."""
         c = self.config
         seq_len = train.shape[1] - 1
         budget = 60 * c.minutes
@@ -292,6 +313,15 @@ class Heal(Pass):
                 frac = max(frac, (time.perf_counter() - t1) / left) if left > 0 else 1.0
                 if frac >= 1.0:
                     break
+            if domains.due(frac) and step:
+                if pending:  # wait for the queued steps so that their time stays training time
+                    losses += torch.stack(pending).tolist()
+                    pending = []
+                for h in hooks:
+                    h.heal_schedule(gm, 1.0)
+                paused = domains.measure(gm, step, step * batch * seq_len)
+                t0 += paused
+                t1 = None if t1 is None else t1 + paused
             for h in hooks:
                 h.heal_schedule(gm, frac)
             idx = (step * batch + torch.arange(batch, device=train.device)) % len(train)
