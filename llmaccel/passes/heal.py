@@ -16,7 +16,7 @@ windows of the calibration text), before and after, so the report says what heal
 and on every evaluation domain (heal_data.DomainEval: wikitext2's second half and texts of
 other domains, never trained on) before, at `domain_evals` points during, and after the heal.
 The stats also give the training throughput (`train_tok_s`, tokens per second of the training
-loop, compilation and domain measurements excluded; `steady_tok_s` without the first step,
+loop, compilation included, domain measurements not; `steady_tok_s` without the first step,
 which compiles) and the sampling of training windows by the engine (`sample_s`,
 `sample_tok_s`).
 """
