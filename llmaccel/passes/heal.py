@@ -79,9 +79,11 @@ class HealConfig:
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
     # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
-    # evenly spaced points of training progress, and after.
-    domain_tokens: int = 2048
-    domain_evals: int = 4
+    # evenly spaced points of training progress, and after. -1 = auto: 2048 tokens and 4 points
+    # on CUDA; 512 and 1 elsewhere (on a 2-core CPU one SmolLM2 measurement of 3 x 512 tokens
+    # costs about as much as two training steps).
+    domain_tokens: int = -1
+    domain_evals: int = -1
     # bfloat16: autocast with fp32 master weights; float32: the weights' dtype, TF32 matmuls.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # torch.compile backend of the forwards (auto: inductor on CUDA, off elsewhere)
@@ -94,10 +96,18 @@ class HealConfig:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
         if not self.lr > 0:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
-        for k in ("hidden", "warmup", "minutes", "sampled", "seq_len", "batch", "kl_chunk",
-                  "seed", "domain_tokens", "domain_evals"):
+        for k in ("hidden", "warmup", "minutes", "sampled", "seq_len", "batch", "kl_chunk", "seed"):
             if getattr(self, k) < 0:
                 raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
+        for k in ("domain_tokens", "domain_evals"):
+            if getattr(self, k) < -1:
+                raise LlmaccelError(f"heal.{k} must be -1 (auto) or more, got {getattr(self, k)}")
+
+    def domain_plan(self, device: str) -> tuple[int, int]:
+        """(tokens per domain, measuring points during the heal), auto resolved for `device`."""
+        cuda = str(device).startswith("cuda")
+        tokens = self.domain_tokens if self.domain_tokens >= 0 else (2048 if cuda else 512)
+        return tokens, self.domain_evals if self.domain_evals >= 0 else (4 if cuda else 1)
 
 
 def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.nn.Parameter]:
@@ -239,7 +249,7 @@ class Heal(Pass):
         for h in hooks:
             h.heal_schedule(gm, 1.0)
         before = held_out_quality(gm, teacher, held, batch)
-        domains = DomainEval(ctx.source_model, c.domain_tokens, c.domain_evals, ctx.device)
+        domains = DomainEval(ctx.source_model, *c.domain_plan(ctx.device), ctx.device)
         domains.measure(gm, 0, 0)
         dtype, backend = resolve_dtype(c.dtype, ctx.device), resolve_backend(c.compile, ctx.device)
         for p in params.values():

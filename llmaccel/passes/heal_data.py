@@ -13,6 +13,7 @@ progress, and after.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
@@ -118,6 +119,11 @@ class DomainEval:
         self.ctx = min(512, source_model.config.max_position)
         self.batch = 8 if str(device).startswith("cuda") else 2
         self.device = device
+        # A model held in a lower precision is measured under autocast to that dtype: during
+        # the heal its trained weights are fp32 master copies next to its other weights, and
+        # every point of the curve computes alike.
+        dt = getattr(source_model, "dtype", torch.float32)
+        self.amp = None if dt == torch.float32 else dt
 
     def due(self, frac: float) -> bool:
         """Whether training progress `frac` has reached the next measuring point (consumed)."""
@@ -128,15 +134,19 @@ class DomainEval:
         return False
 
     def measure(self, gm: torch.fx.GraphModule, step: int, train_tokens: int) -> float:
-        """Score gm now (full fp32 matmuls); returns the seconds it took."""
+        """Score gm now (fp32 matmuls at full precision; a lower-precision model under autocast
+        to its dtype); returns the seconds it took."""
         if self.skipped is not None:
             return 0.0
         t0 = time.perf_counter()
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
+        amp = (torch.autocast(torch.device(self.device).type, self.amp) if self.amp
+               else contextlib.nullcontext())
         try:
-            res = compare(self.source, {"student": graph_forward(gm)}, self.tokens,
-                          ctx=self.ctx, batch=self.batch, device=self.device)
+            with amp:
+                res = compare(self.source, {"student": graph_forward(gm)}, self.tokens,
+                              ctx=self.ctx, batch=self.batch, device=self.device)
         finally:
             torch.set_float32_matmul_precision(precision)
         self.results.append((step, train_tokens, res))

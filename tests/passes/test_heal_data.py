@@ -15,7 +15,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import DOMAINS
 from llmaccel.eval.prompts import PROMPTS
 from llmaccel.passes import get_pass
-from llmaccel.passes.base import PassContext, Progress, make_config
+from llmaccel.passes.base import make_config
 from llmaccel.passes.heal_data import engine_samples, prompt_ids, resolve_prompts
 from llmaccel.runtime import engine as engine_mod
 
@@ -133,3 +133,12 @@ def test_real_mixed_prompts_use_the_tokenizer():
     w, st = engine_samples(m, ps, 16, seed=0, max_seqs=2)
     assert w.shape == (2, 16) and st["sampled_tokens"] == 16
     assert m.tokenizer.decode(w[1, :8]).startswith("def merge_sorted")
+
+
+def test_domain_plan_auto_and_validation():
+    cfg = make_config(get_pass("heal"), {})
+    assert cfg.domain_plan("cuda:0") == (2048, 4) and cfg.domain_plan("cpu") == (512, 1)
+    cfg = make_config(get_pass("heal"), {"domain_tokens": "64", "domain_evals": "0"})
+    assert cfg.domain_plan("cuda") == (64, 0)
+    with pytest.raises(LlmaccelError, match="heal.domain_evals"):
+        make_config(get_pass("heal"), {"domain_evals": "-2"})
