@@ -3,7 +3,8 @@
 A row is one or two jobs (the peer first, where the row has one); a job is one subprocess of the
 current interpreter. Every figure is JSON the job's command prints (its log's last JSON line) or
 writes (a file under OUT): `llmc bench --json`, the peer's line, scripts/gpu_runtime_check.py,
-scripts/gpu_serve_bench.py, scripts/gpu_heal_throughput.py and the kernel benches. The suite times nothing but each job's wall.
+scripts/gpu_serve_bench.py, scripts/gpu_heal_throughput.py, scripts/gpu_heal_sampling.py and the
+kernel benches. The suite times nothing but each job's wall.
 """
 from __future__ import annotations
 
@@ -143,13 +144,17 @@ ROWS = {
     "sparse": _script("sparse_down", "gpu_sparse_bench.py", 60, [], "sparse_down_bench.json", out_arg=False),
     "heal": _script("heal_throughput", "gpu_heal_throughput.py", 300, [], "heal_throughput.json",
                     small_args=["--small"]),
+    "heal_sampling": _script("heal_sampling", "gpu_heal_sampling.py", 200,
+                             ["--model", "preset:smollm2-135m"], "heal_sampling.json",
+                             small_args=["--model", SMALL_SRC, "--windows", "8", "--length", "65",
+                                         "--dtype", "float32"]),
     "spec": _spec(None),
     "spec_self": _spec("self:8"),
     "spec_ngram": _spec("ngram"),
 }
 GROUPS = {
     "goals": ["b1", "b1s", "smol", "smols", "b64", "b64s", "w4", "7b", "load"],
-    "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sparse", "heal"],
+    "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sparse", "heal", "heal_sampling"],
     "specs": ["spec", "spec_self", "spec_ngram"],
 }
 GROUPS["all"] = GROUPS["goals"] + ["serve"] + GROUPS["checks"] + GROUPS["specs"]
