@@ -35,8 +35,11 @@ def cmd_compile(a) -> None:
     check_output(a.output, a.force, "--force")  # before minutes of compiling, not after
     if a.eval_tokens is not None and a.eval_tokens < 0:
         raise LlmaccelError(f"--eval-tokens must be >= 0, got {a.eval_tokens}")
+    from llmaccel.runtime.windows import sample_windows
+
     model = compile(a.src, a.passes or "", parse_sets(a.set), calib=a.calib, calib_split=a.calib_split,
-                    verify=a.verify, eval_tokens=a.eval_tokens, dtype=a.dtype, device=a.device)
+                    verify=a.verify, eval_tokens=a.eval_tokens, dtype=a.dtype, device=a.device,
+                    sampler=sample_windows)
     model.save(a.output, model.report, force=a.force)
     print(render_markdown(model.report))
     print(f"wrote {a.output}")

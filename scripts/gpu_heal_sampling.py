@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from llmaccel.compiler.model import load
-from llmaccel.passes.heal_data import PROMPT_TOKENS, engine_samples, prompt_ids, resolve_prompts
+from llmaccel.passes.heal_data import PROMPT_TOKENS, prompt_ids, resolve_prompts
+from llmaccel.runtime.windows import sample_windows
 
 
 def main() -> None:
@@ -41,7 +42,7 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() / gib if cuda else None
-    windows, st = engine_samples(model, prompts, a.length, seed=0, max_seqs=a.max_seqs)
+    windows, st = sample_windows(model, prompts, a.length, seed=0, max_seqs=a.max_seqs)
     row = {"model": a.model, "dtype": a.dtype, "windows": a.windows, "length": a.length,
            "max_seqs": a.max_seqs, "prompts": kind, **st, "shape": list(windows.shape)}
     if cuda:

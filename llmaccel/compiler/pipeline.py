@@ -55,8 +55,10 @@ def _verify(before: torch.Tensor, after: torch.Tensor) -> dict:
 
 def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "self",
             calib_split: str = "first-half", verify: bool = False, eval_tokens: int | None = None,
-            dtype="float32", device: str = "cpu", progress: bool = True) -> Model:
-    """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how."""
+            dtype="float32", device: str = "cpu", progress: bool = True, sampler=None) -> Model:
+    """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how.
+    sampler: what passes that generate text continue prompts with (PassContext.sampler;
+    llmaccel.compile and `llmc compile` give the engine's)."""
     if calib_split not in SPLITS:
         raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
     if calib != "self" and not Path(calib).is_file():
@@ -76,7 +78,7 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     baseline = load(source, dtype=dtype, device=device) if any(not get_pass(n).exact for n in names) else None
     ctx = PassContext(model.config, device, reporter,
                       calib_source=_calib_source(calib, calib_split, baseline or model, progress),
-                      source_model=baseline)
+                      source_model=baseline, sampler=sampler)
     sample = torch.randint(0, model.config.vocab_size, (2, 16),
                            generator=torch.Generator().manual_seed(0)).to(device)
     report = {"source": source, "dtype": str(model.dtype).removeprefix("torch."),

@@ -48,6 +48,10 @@ class PassContext:
     # Names of the passes that run after the current one: a pass that has a training form
     # (see Pass.heal_schedule) emits it only when `heal` follows.
     later: tuple[str, ...] = ()
+    # Continues token-id prompts with a model: sampler(model, prompts, length, seed=, max_seqs=)
+    # -> ((n, length) ids, stats). The engine's runtime.windows.sample_windows, handed down by
+    # the frontends (the engine sits above the passes); None where nobody handed one.
+    sampler: Callable | None = None
     _calib_cache: dict = field(default_factory=dict)
 
     def calib_tokens(self, n_samples: int, seq_len: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.heal_data import (PROMPT_TOKENS, DomainEval, engine_samples, prompt_ids,
+from llmaccel.passes.heal_data import (PROMPT_TOKENS, DomainEval, prompt_ids,
                                        resolve_prompts)
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype, residual_before_norm)
@@ -231,7 +231,10 @@ class Heal(Pass):
         prompts = prompt_ids(model, train, c.sampled, kind, min(PROMPT_TOKENS, max(1, seq_len // 2)))
         ctx.progress.log(f"heal: sampling {c.sampled} windows of {seq_len + 1} tokens ({kind} prompts)")
         bs = _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
-        windows, stats = engine_samples(model, prompts, seq_len + 1, seed=c.seed, max_seqs=bs)
+        if ctx.sampler is None:
+            raise LlmaccelError("heal.sampled needs a sampler to generate windows with (llmaccel.compile "
+                                "and llmc compile hand it the engine's; PassContext.sampler)")
+        windows, stats = ctx.sampler(model, prompts, seq_len + 1, seed=c.seed, max_seqs=bs)
         return windows, {"prompts": kind, **stats}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -14,12 +14,14 @@ from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.heal import trainable_weights, with_hidden
 from llmaccel.ir import op_nodes, weight_of
+from llmaccel.runtime.windows import sample_windows
 
 
 def _ctx(src, model):
     g = torch.Generator().manual_seed(0)
     return PassContext(model.config, progress=Progress(False), source_model=load(src),
-                       calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
+                       calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g),
+                       sampler=sample_windows)
 
 
 def _run(name, model, ctx, **opts):

@@ -16,8 +16,10 @@ from llmaccel.eval.domains import DOMAINS
 from llmaccel.eval.prompts import PROMPTS
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import make_config
-from llmaccel.passes.heal_data import engine_samples, prompt_ids, resolve_prompts
+from llmaccel.passes.heal_data import prompt_ids, resolve_prompts
+from llmaccel.runtime.windows import sample_windows
 from llmaccel.runtime import engine as engine_mod
+from llmaccel.runtime import windows as windows_mod
 
 from tests.passes.test_heal import _ctx, _damage
 
@@ -42,7 +44,7 @@ def test_prompt_kinds():
         prompt_ids(m, calib, 2, "other", 12)
 
 
-def test_engine_samples_windows_seeded_and_cache_freed(monkeypatch):
+def test_sample_windows_seeded_and_cache_freed(monkeypatch):
     m = load(SRC)
     made = []
 
@@ -51,9 +53,9 @@ def test_engine_samples_windows_seeded_and_cache_freed(monkeypatch):
             super().__init__(*a, **k)
             made.append((self.cache, self.dtype, self.device))
 
-    monkeypatch.setattr(engine_mod, "LLM", Recorded)
+    monkeypatch.setattr(windows_mod, "LLM", Recorded)
     prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
-    a, st = engine_samples(m, prompts, 16, seed=1, max_seqs=4)
+    a, st = sample_windows(m, prompts, 16, seed=1, max_seqs=4)
     assert a.shape == (6, 16) and a.dtype == torch.long
     assert 0 <= a.min() and a.max() < m.config.vocab_size
     assert all(a[i, :8].tolist() == p for i, p in enumerate(prompts))
@@ -65,12 +67,12 @@ def test_engine_samples_windows_seeded_and_cache_freed(monkeypatch):
     del made[:], cache
     gc.collect()
     assert ref() is None
-    b, _ = engine_samples(m, prompts, 16, seed=1, max_seqs=6)   # batched differently
-    c, _ = engine_samples(m, prompts, 16, seed=2, max_seqs=4)
+    b, _ = sample_windows(m, prompts, 16, seed=1, max_seqs=6)   # batched differently
+    c, _ = sample_windows(m, prompts, 16, seed=2, max_seqs=4)
     assert torch.equal(a, b)
     assert not torch.equal(a[:, 8:], c[:, 8:])
     with pytest.raises(LlmaccelError, match="prompt"):
-        engine_samples(m, [list(range(30))], 16, seed=0, max_seqs=1)
+        sample_windows(m, [list(range(30))], 16, seed=0, max_seqs=1)
 
 
 def test_heal_reports_every_domain_before_during_after():
@@ -130,7 +132,7 @@ def test_real_mixed_prompts_use_the_tokenizer():
     calib = torch.tensor([m.encode("The history of the city begins in the twelfth century.")])
     ps = prompt_ids(m, calib, 2, "mixed", 8)
     assert ps[0] == calib[0, :8].tolist() and ps[1] == m.encode(PROMPTS[0])[:8]
-    w, st = engine_samples(m, ps, 16, seed=0, max_seqs=2)
+    w, st = sample_windows(m, ps, 16, seed=0, max_seqs=2)
     assert w.shape == (2, 16) and st["sampled_tokens"] == 16
     assert m.tokenizer.decode(w[1, :8]).startswith("def merge_sorted")
 

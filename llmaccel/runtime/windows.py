@@ -1,0 +1,57 @@
+"""Training windows sampled by the engine: prompts continued by `LLM` over a model.
+
+The heal pass's `heal.sampled` windows come from here, handed to the pass as
+`PassContext.sampler` by the frontends (`llmc compile`, `llmaccel.compile`): the engine sits
+above the passes. Every window is asked for at once, so that the engine batches them (up to
+`max_seqs` at a time), temperature 1, each request seeded; then the engine is dropped so that
+its KV cache is freed before training starts.
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from llmaccel.errors import LlmaccelError
+from llmaccel.runtime.engine import LLM
+from llmaccel.sampling import SamplingParams
+
+_BLOCK = 16  # the engine's KV block size
+
+
+def _release(device) -> None:
+    gc.collect()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int,
+                   max_seqs: int) -> tuple[torch.Tensor, dict]:
+    """(len(prompts), length) token ids: each prompt continued by the engine over `model` with
+    temperature-1 samples to `length` tokens (end-of-sequence ignored); request i is seeded with
+    (seed, i), so the windows do not depend on how the engine batches them. Also the stats:
+    sample_s, sampled_tokens (generated, prompts excluded), sample_tok_s."""
+    if any(not 0 < len(p) < length for p in prompts):
+        raise LlmaccelError(f"heal: every prompt must be 1..{length - 1} tokens long")
+    t0 = time.perf_counter()
+    seqs = max(1, min(len(prompts), max_seqs))
+    blocks = -(-length // _BLOCK) + 1
+    params = [SamplingParams(temperature=1.0, max_tokens=length - len(p), ignore_eos=True,
+                             seed=seed * 1_000_003 + i) for i, p in enumerate(prompts)]
+    llm = LLM(model, kv_cache_tokens=seqs * blocks * _BLOCK, max_num_seqs=seqs, block_size=_BLOCK,
+              enable_prefix_caching=False)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        del llm
+        _release(model.device)
+    bad = next((o for o in outs if o.finish_reason != "length"), None)
+    if bad is not None:
+        raise LlmaccelError(f"heal: sampling a training window failed: {bad.error or bad.finish_reason}")
+    windows = torch.tensor([o.prompt_token_ids + o.token_ids for o in outs], dtype=torch.long)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(o.token_ids) for o in outs)
+    return windows, {"sample_s": round(seconds, 3), "sampled_tokens": generated,
+                     "sample_tok_s": round(generated / max(seconds, 1e-9), 1)}
