@@ -25,12 +25,14 @@ L2 two or three times (top-k adds five). The uniforms are hashed in the kernel
 
 One program walking a whole row is latency-bound: at one row of 128k logits on an H200, pass 1
 took 13 us and a top-p draw 83 us, 7% of a Llama-1B decode step. Above 4096 logits the row is
-cut into chunks of CHUNK, one program each, and the same algorithm runs in four launches:
-_chunk_stats (per chunk: argmax, m_c, Z_c), _chunk_draw (m and Z from the chunks' figures;
-round 0's target located among the chunks' masses, then inverted inside that one chunk),
-_chunk_above (per chunk: the mass above e_j) and _sample_kernel resuming: round 0's acceptance
-test, and the row's remaining rounds (rejected draws, about 1 - top_p of them) or the whole
-algorithm (rows with top-k) one program a row as before. Greedy steps take the argmax in two.
+cut into chunks of CHUNK, one program each, and the same algorithm runs as: _chunk_stats (per
+chunk: argmax, m_c, Z_c); per round drawn by chunks (CHUNK_ROUNDS), _chunk_draw (the last
+round's acceptance test; the round's target located among the chunks' masses, then inverted
+inside that one chunk) and _chunk_above (per chunk: the mass above e_j, which is also the
+chunk's mass of the next round's support); then _sample_kernel resuming: the last round's
+test, and the rounds left of rows still rejected, or the whole algorithm for rows with top-k,
+one program a row as before (H200: a top-p draw ~11 us at one row). Greedy steps take the
+argmax in two launches.
 """
 from __future__ import annotations
 
@@ -266,7 +268,7 @@ if HAS_TRITON:
         The chunk whose prefix of masses reaches u_r * mass inverts its part of the CDF."""
         row = tl.program_id(0)
         c = tl.program_id(1)
-        rr = tl.full([], 0, tl.int32) + r  # a tensor even where r is specialized to a constant
+        rr = tl.full([], 0, tl.int32) + r  # an int32 tensor, as _uniform takes the round
         t = tl.load(t_ptr + row)
         so = tl.arange(0, BLOCK_S)
         if FIRST:
