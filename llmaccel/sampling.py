@@ -163,15 +163,15 @@ def kernel_check(device, vocab: int = 5000, dtype: torch.dtype = torch.float32) 
     model's at start-up, outside any CUDA graph capture). Where it fails, CUDA rows are drawn
     by sample_sorted."""
     from llmaccel.kernels import device_index
-    return _check(device_index(torch.device(device)), vocab, dtype)
+    return check_kernels(torch.device("cuda", device_index(torch.device(device))), vocab, dtype)
 
 
 @functools.cache
-def _check(index: int, vocab: int, dtype: torch.dtype) -> str | None:
+def check_kernels(dev: torch.device, vocab: int, dtype: torch.dtype) -> str | None:
+    """kernel_check's test on any device (the CPU runs the kernels under TRITON_INTERPRET=1)."""
     kern = _sampling_module()
     if not kern.HAS_TRITON:
         return "triton is not installed"
-    dev = torch.device("cuda", index)
     g = torch.Generator().manual_seed(0)
     B = 8  # at least CHUNK_ROUNDS_FROM rows: every round of the chunk kernels runs
     x = (torch.randn(B, vocab, generator=g) * 3).to(dtype).to(dev)

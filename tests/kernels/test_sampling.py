@@ -141,6 +141,12 @@ def test_greedy_kernel_is_the_first_argmax():
         assert kern.argmax_triton(x, chunk=chunk).tolist() == x.argmax(-1).tolist()
 
 
+@cpu_kernels
+def test_the_start_up_check_passes_at_a_chunked_vocabulary_in_bf16():
+    from llmaccel.sampling import check_kernels
+    assert check_kernels(torch.device("cpu"), 5000, torch.bfloat16) is None
+
+
 @pytest.mark.cuda
 def test_the_kernel_serves_this_gpu():
     from llmaccel.sampling import kernel_check
