@@ -14,6 +14,12 @@ from llmaccel import ops
 from llmaccel.ops.table import spec_of
 
 
+def positions(ids: torch.Tensor) -> torch.Tensor:
+    """Positions 0 .. T-1 of every row of ids (B, T): a graph's whole-sequence call (no cache)
+    is gm(ids, positions(ids), None)."""
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
 def set_weight(root: nn.Module, name: str, value: torch.Tensor) -> None:
     """Attach a tensor at a dotted name, creating holder modules on the way."""
     *path, leaf = name.split(".")

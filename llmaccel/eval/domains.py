@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import read_split
+from llmaccel.ir import positions
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 
@@ -77,7 +78,7 @@ def window_batches(ids: torch.Tensor, ctx: int, size: int):
 def graph_forward(gm) -> Forward:
     """A whole-sequence forward (no cache) of an IR graph module."""
     def f(x: torch.Tensor) -> torch.Tensor:
-        return gm(x, torch.arange(x.shape[1], device=x.device).expand_as(x), None)
+        return gm(x, positions(x), None)
     return f
 
 

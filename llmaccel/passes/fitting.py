@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import compare, domain_tokens, graph_forward, text_encoder
-from llmaccel.ir import is_op, replace_weight, weight_of
+from llmaccel.ir import is_op, positions, replace_weight, weight_of
 
 
 @dataclass
@@ -147,7 +147,7 @@ def run_sequential(gm: torch.fx.GraphModule, ids: torch.Tensor, sites: dict[torc
     original graph runs alongside (Source). Returns seconds."""
     t0 = time.perf_counter()
     bar = progress(None, desc=desc, total=len(sites))
-    args = (ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
+    args = (ids, positions(ids), None)
     with torch.no_grad():
         _Sequential(gm, sites, keep, bar, Source(orig, args) if orig is not None else None).run(*args)
     bar.close()

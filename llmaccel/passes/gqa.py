@@ -29,7 +29,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
 from llmaccel.passes.fuse import fuse_linears
-from llmaccel.ir import is_op, op_nodes, probe, prune_weights, replace_weight, unfuse_linears, weight_of
+from llmaccel.ir import is_op, op_nodes, positions, probe, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
 @dataclass
@@ -73,8 +73,7 @@ def _wb(gm, lin: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor | None]:
 @torch.no_grad()
 def _collect(gm, sites, ids: torch.Tensor) -> list[dict]:
     """Pre-RoPE q, k and v of every attention on ids, as (tokens, features) fp32."""
-    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    vals = probe(gm, [s[w] for s in sites for w in "qkv"])(ids, pos, None)
+    vals = probe(gm, [s[w] for s in sites for w in "qkv"])(ids, positions(ids), None)
     return [{w: vals[3 * i + j].flatten(0, 1).float() for j, w in enumerate("qkv")}
             for i in range(len(sites))]
 

@@ -22,7 +22,6 @@ which compiles) and the sampling of training windows by the engine (`sample_s`,
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -39,8 +38,8 @@ from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.heal_data import (PROMPT_TOKENS, DomainEval, prompt_ids,
                                        resolve_prompts)
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
-                                        resolve_dtype, residual_before_norm)
-from llmaccel.ir import is_op, weight_of
+                                        resolve_dtype)
+from llmaccel.ir import is_op, positions, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
 _MAX_WINDOWS = 4096
@@ -139,23 +138,6 @@ def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.
     return out
 
 
-def with_hidden(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A module sharing gm's weights that returns (logits, residual stream before the final norm)."""
-    g = copy.deepcopy(gm.graph)
-    heads = [n for n in g.nodes if is_op(n, ops.lm_head)]
-    if len(heads) != 1:
-        raise LlmaccelError("heal.hidden needs a graph with exactly one lm_head")
-    hidden = residual_before_norm(g, heads[0])
-    out = next(n for n in g.nodes if n.op == "output")
-    out.args = ((out.args[0], hidden),)
-    g.lint()
-    return torch.fx.GraphModule(gm, g, class_name="heal_view")
-
-
-def _positions(ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-
-
 def kl_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || student), from logits."""
     s = student.float().flatten(0, -2).log_softmax(-1)
@@ -171,7 +153,7 @@ def held_out_quality(gm, teacher_gm, windows: torch.Tensor, batch: int) -> dict:
     for i in range(0, len(windows), batch):
         ids = windows[i: i + batch]
         x, y = ids[:, :-1], ids[:, 1:]
-        ls, lt = gm(x, _positions(x), None).float(), teacher_gm(x, _positions(x), None).float()
+        ls, lt = gm(x, positions(x), None).float(), teacher_gm(x, positions(x), None).float()
         nll_s += F.cross_entropy(ls.flatten(0, 1), y.flatten(), reduction="sum").item()
         nll_t += F.cross_entropy(lt.flatten(0, 1), y.flatten(), reduction="sum").item()
         kl += kl_loss(ls, lt).item() * y.numel()

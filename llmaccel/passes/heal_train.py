@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from llmaccel import ops
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
-from llmaccel.ir import is_op, weight_of
+from llmaccel.ir import is_op, positions, weight_of
 from llmaccel.ops.rope import rope_at, rope_inv_freq
 
 _GPU_TOKENS = 16384   # training tokens per step on CUDA unless memory bounds it
@@ -264,7 +264,7 @@ class Trainer:
         self.backend, self.student, self.teacher = backend, s, t
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(x.shape[1], device=x.device).expand_as(x)
+        pos = positions(x)
         amp = torch.autocast(x.device.type, self.dtype) if self.dtype else contextlib.nullcontext()
         with amp:
             with torch.no_grad():

@@ -26,7 +26,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import quant as qops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.ir import add_weight, is_op, prune_weights, replace_weight, weight_of
+from llmaccel.ir import add_weight, is_op, positions, prune_weights, replace_weight, weight_of
 from llmaccel.quant.algorithms import Grid, awq_clip, awq_scale, gptq, refit_scales, source_correct
 
 __all__ = ["PASS", "QuantConfig", "Grid", "awq_clip", "awq_scale", "gptq", "source_correct"]
@@ -341,9 +341,8 @@ class Quant(Pass):
                     qz.process(n, None)
         else:
             ids = ctx.calib_tokens(c.n_samples, c.seq_len).to(ctx.device)
-            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             with torch.no_grad():
-                _Calibrated(gm, qz, source=c.match_source).run(ids, pos, None)
+                _Calibrated(gm, qz, source=c.match_source).run(ids, positions(ids), None)
         bar.close()
         qz.rewrite()
         prune_weights(gm)

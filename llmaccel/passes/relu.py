@@ -20,7 +20,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sparse import relu_glu, sparse_down
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.ir import add_weight, is_op, op_nodes, probe, prune_weights, replace_weight, weight_of
+from llmaccel.ir import add_weight, is_op, op_nodes, positions, probe, prune_weights, replace_weight, weight_of
 
 ACT_OPS = (ops.relu_mul, relu_glu)
 
@@ -41,9 +41,8 @@ class ReluConfig:
 
 def _probe(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Tensor) -> list:
     """Values of `nodes` (by name) for one forward on ids, from a copy of the graph."""
-    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.no_grad():
-        return list(probe(gm, nodes)(ids, pos, None))
+        return list(probe(gm, nodes)(ids, positions(ids), None))
 
 
 @torch.no_grad()

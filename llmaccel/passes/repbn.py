@@ -45,7 +45,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, fit_sites, quality, snapshot
-from llmaccel.ir import (add_weight, fold_affine, fresh_name, is_op, op_nodes, prune_weights,
+from llmaccel.ir import (add_weight, fold_affine, fresh_name, is_op, op_nodes, positions, prune_weights,
                          replace_weight, weight_of)
 
 _NORMS = (ops.rms_norm, ops.layer_norm)
@@ -348,7 +348,7 @@ class RepBN(Pass):
         ids = ctx.calib_tokens(c.samples, c.seq_len).to(ctx.device)
         cal = _Calibrate(gm, c.stats == "sequential")
         with torch.no_grad():
-            cal.run(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
+            cal.run(ids, positions(ids), None)
         dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), torch.float32)
         orig = snapshot(gm) if c.fit else None
         for n in norms:

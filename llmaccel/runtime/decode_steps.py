@@ -18,11 +18,10 @@ class DecodeSteps:
         sync per finishing row costs a step), within every row's context and the free blocks.
         False when no shape takes it (the step runs eagerly)."""
         n = max(1, self._group_size(seqs, 0))
-        bm = self.bm
-        if n > 1 and sum(max(0, bm.blocks_for(s.num_computed + n) - len(s.block_table)) for s in seqs) > bm.num_free:
+        if not self._reserve(seqs, n):
             n = 1  # the scheduler made room for one token per row
-        for seq in seqs:  # positions past the scheduled one fall in blocks that only this row holds
-            bm.grow(seq, seq.num_computed + n)
+            self._reserve(seqs, n)
+        bm = self.bm
         rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
                  s.params.top_p, s.seed) for s in seqs]
         ps = [s.params for s in seqs]
@@ -70,10 +69,8 @@ class DecodeSteps:
         if not cont:
             return None
         n = self._group_size(cont, k)
-        if sum(max(0, bm.blocks_for(s.num_computed + k + n) - len(s.block_table)) for s in cont) > bm.num_free:
+        if not self._reserve(cont, k + n):
             return None
-        for s in cont:
-            bm.grow(s, s.num_computed + k + n)
         go = {id(s) for s in cont}
         nxt = self.runner.relaunch(grp, [s.block_table if id(s) in go else None for s in seqs], n)
         if nxt is None:
@@ -81,6 +78,16 @@ class DecodeSteps:
                 bm.trim(s, s.num_computed + k)
             return None
         return seqs, nxt
+
+    def _reserve(self, seqs: list[Sequence], ahead: int) -> bool:
+        """Grow each row's block table to its position + `ahead` tokens (blocks that only this
+        row holds) when the free blocks cover them all; False (nothing grown) when they do not."""
+        bm = self.bm
+        if sum(max(0, bm.blocks_for(s.num_computed + ahead) - len(s.block_table)) for s in seqs) > bm.num_free:
+            return False
+        for s in seqs:
+            bm.grow(s, s.num_computed + ahead)
+        return True
 
     def _admissible(self) -> bool:
         """Whether the scheduler would admit the first waiting request now (a free sequence slot

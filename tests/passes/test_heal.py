@@ -12,7 +12,8 @@ from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
-from llmaccel.passes.heal import trainable_weights, with_hidden
+from llmaccel.passes.heal import trainable_weights
+from llmaccel.passes.heal_train import heal_view
 from llmaccel.ir import op_nodes, weight_of
 from llmaccel.runtime.windows import sample_windows
 
@@ -85,8 +86,9 @@ def test_hidden_loss_on_plain_and_fused_graphs():
                     progress=False, eval_tokens=0)
         st = m.report["passes"][-1]["stats"]
         assert st["kl_before"] < 1e-6 and len(st["loss_curve"]) == 2
-    logits, hidden = with_hidden(load("preset:tiny-llama").gm)(torch.zeros(1, 3, dtype=torch.long),
-                                                              torch.arange(3)[None], None)
+    view, head = heal_view(load("preset:tiny-llama").gm, hidden=True)
+    x, hidden = view(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], None)
+    logits = torch.nn.functional.linear(x, head.weight, head.bias)
     assert logits.shape == (1, 3, 512) and hidden.shape == (1, 3, 64)
 
 
