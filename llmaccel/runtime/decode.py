@@ -42,6 +42,7 @@ from llmaccel.codegen.kernel_ops import load_kernel_modules
 from llmaccel.codegen.lower import lower
 from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
+from llmaccel.runtime.step_graphs import cuda_graph
 from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
 
 MIN_WIDTH = 8  # blocks per table row in the narrowest graph
@@ -221,7 +222,7 @@ class DecodeRunner:
         hit = (None, buf, fn)
         if self.capture:
             try:
-                hit = (self._capture(fn, buf), buf, fn)
+                hit = (cuda_graph(lambda: fn(buf), self.pool, self.device, reset=buf.i.zero_), buf, fn)
             except Exception as e:  # noqa: BLE001 - compile or capture: this shape runs eagerly
                 self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 warnings.warn(f"decode steps of {B} rows ({mode}) run eagerly: compiling or "
@@ -230,18 +231,6 @@ class DecodeRunner:
                 hit = (None, buf, self._fn(B, mode, compiled=False))
         self.graphs[key] = hit
         return hit
-
-    def _capture(self, fn, buf) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (compiles here)
-            fn(buf)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        buf.i.zero_()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            fn(buf)
-        return g
 
     def launch(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1) -> Group | None:
         """Start n_steps sub-steps of rows = (block_table, position, token, temperature, top_k,

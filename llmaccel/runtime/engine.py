@@ -23,6 +23,7 @@ from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source, verify
+from llmaccel.runtime.step_graphs import StepGraphs
 from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                sample_mode, sample_rows, token_logprobs)
 
@@ -106,6 +107,11 @@ class LLM(DecodeSteps):
             self.model.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
             max_len=self.cfg.max_position, capture=on_cuda and cuda_graphs,
             compile=compile) if self.kivi is None else None
+        # small prefill / mixed steps replayed as CUDA graphs (step_graphs.py): the time to the
+        # first token of a short request is otherwise the eager step's host time
+        self.steps = StepGraphs(self.gm, self.cache, scratch=self.cache.num_blocks - 1, capture=True,
+                                pool=self.runner.pool) \
+            if self.runner is not None and self.runner.capture and self.gm.selects_rows else None
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.cfg.max_position)
@@ -357,14 +363,16 @@ class LLM(DecodeSteps):
         for seq, toks, nl in plan:
             items.append((seq, toks) if self.kivi else (seq.block_table, seq.num_computed, toks))
             want.append(nl)
-        step_inputs = build_kivi_step if self.kivi else build_step
-        ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
-        logits = self.gm(ids, pos, ctx)[0]
-        if self.kivi:
-            for seq, _, _ in plan:
-                self.bm.release_aged(seq)
-        if not getattr(self.gm, "selects_rows", False):
-            logits = logits.index_select(0, ctx.logits_indices)
+        logits = self.steps.run(items, want) if self.steps is not None else None
+        if logits is None:
+            step_inputs = build_kivi_step if self.kivi else build_step
+            ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
+            logits = self.gm(ids, pos, ctx)[0]
+            if self.kivi:
+                for seq, _, _ in plan:
+                    self.bm.release_aged(seq)
+            if not getattr(self.gm, "selects_rows", False):
+                logits = logits.index_select(0, ctx.logits_indices)
         sampled = self._sample(logits, plan, proposals)
         r = 0
         for seq, toks, nl in plan:
@@ -445,7 +453,9 @@ class LLM(DecodeSteps):
                  graph_steps=self.runner.replays if self.runner is not None else 0,
                  graphs_captured=sum(g is not None for g, _, _ in self.runner.graphs.values())
                  if self.runner is not None else 0,
-                 graph_failures=dict(self.runner.failures) if self.runner is not None else {},
+                 graph_failures={**(self.runner.failures if self.runner is not None else {}),
+                                 **(self.steps.failures if self.steps is not None else {})},
+                 step_graph_replays=self.steps.replays if self.steps is not None else 0,
                  sampler="torch" if not str(self.device).startswith("cuda") else
                  f"sorted ({self.sampler_fallback})" if self.sampler_fallback else "kernel")
         if self.kivi:

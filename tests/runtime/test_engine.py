@@ -225,6 +225,7 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
         met = llm.metrics()
         assert met["graph_steps"] > 0 and met["graphs_captured"] > 0 and met["kv_blocks_used"] == 0
+        assert met["step_graph_replays"] > 0 and not met["graph_failures"]
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -243,20 +244,66 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
 def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monkeypatch):
     """A decode shape whose compile or CUDA-graph capture fails runs uncaptured, with a warning
     and the reason in metrics; the output is unchanged."""
-    from llmaccel.runtime.decode import DecodeRunner
+    import llmaccel.runtime.decode as decode
+    import llmaccel.runtime.step_graphs as step_graphs
 
-    def fail(self, fn, buf):
+    def fail(fn, pool, device, reset=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(DecodeRunner, "_capture", fail)
+    monkeypatch.setattr(decode, "cuda_graph", fail)
+    monkeypatch.setattr(step_graphs, "cuda_graph", fail)
     llm = LLM(tiny)
     llm.runner.capture = True
+    llm.steps = step_graphs.StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1,
+                                       capture=True, pool=object())  # no CUDA pool on a CPU
     with pytest.warns(UserWarning, match="run eagerly"):
         outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     m = llm.metrics()
-    assert m["graphs_captured"] == 0 and m["decode_steps"] > 0
+    assert m["graphs_captured"] == 0 and m["decode_steps"] > 0 and m["step_graph_replays"] == 0
+    assert any(len(k) == 3 for k in m["graph_failures"])  # a step shape (tokens, seqs, width)
     assert all("not permitted" in why for why in m["graph_failures"].values())
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"kv_cache_tokens": 96, "block_size": 8},  # preemption: prefills again over cached blocks
+    {"kv_cache_tokens": 120, "block_size": 3, "max_num_batched_tokens": 16},  # chunks, mixed steps
+    {"speculative": "ngram"},  # verification steps stay eager
+], ids=["batched", "preempt", "chunked", "ngram"])
+def test_small_steps_on_static_buffers_match_reference(tiny, prompts, reference, kw):
+    """The padded bucket steps of step_graphs (run eagerly here, replayed as CUDA graphs on a
+    GPU): the same tokens as the reference executor, sampled rows too, with the KV cache left
+    as the eager steps leave it."""
+    from llmaccel.runtime.step_graphs import StepGraphs
+
+    llm = LLM(tiny, **kw)
+    llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
+                           max_tokens=128)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
+    shapes = set(llm.steps.graphs)
+    assert shapes and all(N <= 128 and S in (1, 2, 4, 8) for N, S, _ in shapes)
+    assert llm.metrics()["kv_blocks_used"] == 0
+    sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5)
+    plain = LLM(tiny, **kw)
+    want = [o.token_ids for o in plain.generate(prompts, sampled)]
+    assert [o.token_ids for o in llm.generate(prompts, sampled)] == want
+
+
+def test_step_buckets():
+    """Tokens to 16 * 2^k, sequences to 1/2/4/8 with room for the padding sequence, width to a
+    power of two covering the padding sequence's context; large or verification steps: none."""
+    from llmaccel.runtime.kv_cache import PagedKVCache
+    from llmaccel.runtime.step_graphs import StepGraphs
+
+    cache = PagedKVCache({0: (1, 4)}, 64, 16, torch.float32, "cpu")
+    sg = StepGraphs(None, cache, scratch=63, capture=False, max_tokens=512)
+    assert sg.shape([([0] * 8, 0, [1] * 128)], [1]) == (128, 1, 8)
+    assert sg.shape([([0] * 8, 0, [1] * 100)], [1]) == (128, 2, 8)
+    assert sg.shape([([0] * 40, 600, [1])] * 3 + [([0] * 2, 0, [1] * 20)], [1] * 4) == (32, 8, 64)
+    assert sg.shape([([0] * 40, 0, [1] * 513)], [1]) is None
+    assert sg.shape([([0] * 8, 0, [1] * 10)], [3]) is None
+    assert sg.shape([([0] * 8, 0, [1])] * 9, [1] * 9) is None
 
 
 @pytest.mark.parametrize("kw", [{}, {"speculative": "ngram"}], ids=["plain", "ngram"])
