@@ -286,13 +286,16 @@ def split_plan(q: torch.Tensor, n_kv: int, max_len: int, block_n: int,
     return cdiv(max_len, split_len), split_len
 
 
-def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """out (S, H, D) from the splits' outputs mid_o (S, H, n, D) and log-sum-exps (S, H, n)."""
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
+                 pdl: bool = False) -> None:
+    """out (S, H, D) from the splits' outputs mid_o (S, H, n, D) and log-sum-exps (S, H, n);
+    pdl: launched early behind the split kernel (which must let it)."""
     S, H, n, D = mid_o.shape
     _paged_decode_reduce_kernel[(S, H)](
         mid_o, mid_lse, out, n, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_P=max(2, triton.next_power_of_2(n)))
+        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_P=max(2, triton.next_power_of_2(n)),
+        PDL=pdl, **({"launch_pdl": True} if pdl else {}))
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,

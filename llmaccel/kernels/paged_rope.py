@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from llmaccel.kernels import registered, unit_stride
+from llmaccel.kernels import pdl_enabled, registered, unit_stride
 from llmaccel.kernels.paged_attention import paged_decode_ref, write_kv_ref
 
 try:
@@ -62,6 +62,8 @@ def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
 
 
 if triton is not None:
+    from triton.language.extra import cuda as _tl_cuda
+
     from llmaccel.kernels.paged_attention import (_group_queries, _softmax_block, _softmax_init,
                                                   _softmax_result, merge_splits, split_plan)
 
@@ -82,27 +84,45 @@ if triton is not None:
                                   sbt, s_cos, so_b, so_h, smo_s, smo_h, smo_p, sml_s, sml_h,
                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                                  SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
+        # Before the wait for the kernel before (PDL): what does not depend on it. Positions,
+        # tables, rope tables and the cached keys and values were all written before the step's
+        # first kernel; only q and the new k, v come from the projection just before.
         P = tl.load(POS + b).to(tl.int32)
         start = sp * split_len
         stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
+        dt = Q.dtype.element_ty
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+        offs_n0 = start + tl.arange(0, BLOCK_N)  # the first tile of keys
+        n_ok0 = offs_n0 < stop
+        blk0 = tl.load(BT + b * sbt + offs_n0 // BS, mask=n_ok0, other=0).to(tl.int64)
+        base0 = blk0 * sc_blk + (offs_n0 % BS) * sc_s + kvh * sc_h
+        mask0 = n_ok0[:, None] & d_ok[None, :]
+        k0 = tl.load(KC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
+        v0 = tl.load(VC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
+        if PDL:
+            _tl_cuda.gdc_launch_dependents()
+            _tl_cuda.gdc_wait()
         q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
-        c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
-        s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(q.dtype).to(tl.float32)
         q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
                     g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
         m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
-        for n0 in range(start, stop, BLOCK_N):
+        if start < stop:
+            m_i, l_i, acc = _softmax_block(q, k0, v0, n_ok0, m_i, l_i, acc, scale, IEEE)
+        for n0 in range(start + BLOCK_N, stop, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < stop
             blk = tl.load(BT + b * sbt + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
             base = blk * sc_blk + (offs_n % BS) * sc_s + kvh * sc_h
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
+            v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
             m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
         if (P >= start) & (P < start + split_len):  # this split owns slot pos
             kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
@@ -148,7 +168,12 @@ def _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin):
 
 def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
                              num_splits: int | None = None, block_n: int | None = None,
-                             num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                             num_warps: int = 4, num_stages: int = 3,
+                             pdl: bool | None = None) -> torch.Tensor:
+    """pdl: launched early behind the kernel before (programmatic dependent launch; None: where
+    the device has it), reading what does not depend on it before waiting, and letting the
+    kernel after launch early too (the next projection's GEMV then reads its weights while
+    this one runs)."""
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
     _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin)
     B, H, D = q.shape
@@ -168,6 +193,8 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     else:
         mid_o, mid_lse = out, out  # unused (SPLIT=False); any tensors with the strides read
     G = H // Hkv
+    if pdl is None:
+        pdl = pdl_enabled(q)
     _paged_rope_decode_kernel[(B, Hkv, n)](
         q, k, v, k_cache, v_cache, pos, block_tables, out, mid_o, mid_lse, cos, sin, scale, split_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -175,10 +202,10 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
-        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     if n > 1:
-        merge_splits(mid_o, mid_lse, out)
+        merge_splits(mid_o, mid_lse, out, pdl)
     return out
 
 
