@@ -360,3 +360,19 @@ def test_abort_frees_blocks_and_leaves_the_others_exact(tiny, prompts, reference
         if i != 1:
             assert llm.output(s).token_ids == reference[i]
     assert llm.metrics()["kv_blocks_used"] == 0
+
+
+def test_small_steps_over_prefix_cache_hits(tiny):
+    """Step-graph steps that start past a cached prefix (start > 0), with a padding sequence
+    longer than a block: the reference executor's tokens."""
+    from llmaccel.runtime.step_graphs import StepGraphs
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(3, 500, (45,), generator=g).tolist()
+    prompts = [base + [7, 8, 9], base + [11], base[:20] + [5] * 30]
+    ref = [list(tiny.generate_ids(p, GREEDY)) for p in prompts]
+    llm = LLM(tiny, block_size=4)
+    llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
+                           max_tokens=128)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == ref
+    assert llm.metrics()["prefix_cache_hit_tokens"] > 0
