@@ -218,7 +218,9 @@ if not registered("paged_rope_decode_attention"):
                                     block_tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                                     scale: float) -> torch.Tensor:
         """Rotate q, k at pos, write k, v at pos's slot, attend q over slots 0 .. pos per row;
-        k = v = None: q is (B, H + 2 Hkv, D)."""
+        k = v = None: q is (B, H + 2 Hkv, D). On CUDA at one row it launches early behind the
+        kernel before (PDL) and reads pos, block_tables, cos, sin and the cache before waiting
+        for it: only q, k, v may come from that kernel (in the decode step, the projection)."""
         return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
 
     @paged_rope_decode_attention.register_fake

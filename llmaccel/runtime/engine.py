@@ -451,8 +451,8 @@ class LLM(DecodeSteps):
                  spec_accept_rate=s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0,
                  spec_tokens_per_step=s["spec_emitted"] / s["spec_verifies"] if s["spec_verifies"] else 0.0,
                  graph_steps=self.runner.replays if self.runner is not None else 0,
-                 graphs_captured=sum(g is not None for g, _, _ in self.runner.graphs.values())
-                 if self.runner is not None else 0,
+                 graphs_captured=sum(g is not None for runner in (self.runner, self.steps)
+                                     if runner is not None for g, _, _ in runner.graphs.values()),
                  graph_failures={**(self.runner.failures if self.runner is not None else {}),
                                  **(self.steps.failures if self.steps is not None else {})},
                  step_graph_replays=self.steps.replays if self.steps is not None else 0,

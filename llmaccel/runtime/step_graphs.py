@@ -7,7 +7,7 @@ sequences, each wanting the logits of its last token at most (no speculative ver
 runs instead on the static buffers of a bucket shape and replays the graph captured for it:
 
 - tokens padded to 16 * 2^k; the spare tokens form one padding sequence on the scratch block
-  (token 0 at positions 0.., slots inside the scratch block), whose outputs are discarded;
+  (token 0 at position 0, slots inside the scratch block), whose outputs are discarded;
 - sequences padded to 1, 2, 4 or 8; the spare ones are empty (no tokens, no context);
 - block tables padded to a power of two >= 8 blocks with the scratch block.
 
@@ -167,10 +167,9 @@ class StepGraphs:
                 rows[r] = t - 1
                 r += 1
         s = len(items)
-        if t < N:  # the padding sequence: token 0 at positions 0.., in the scratch block
-            p = np.arange(N - t)
-            pos[t:] = p
-            slots[t:] = self.scratch * bs + p % bs
+        if t < N:  # the padding sequence: token 0 at position 0 (within any position table;
+            # its causal order comes from cu_seqlens and its context length), in the scratch block
+            slots[t:] = self.scratch * bs + np.arange(N - t) % bs
             lens[s] = N - t
             s += 1
         cu[s:] = N
