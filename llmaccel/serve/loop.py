@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from llmaccel.errors import LlmaccelError
@@ -57,17 +58,60 @@ class Delta:
 ACCEPTED = "accepted"  # the first event of a job whose sequences all entered the engine
 
 
+class Events:
+    """A job's events in order: put on the job's event loop (a batch per engine turn), taken
+    by its handler. A deque and one future while the handler waits: an asyncio.Queue read
+    with a timeout costs a task and a timer per event, and 256 streams get 256 events a turn."""
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        """End a wait() now (an item came, or the client went away)."""
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self):
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def wait(self) -> None:
+        """Until an item is there or wake() is called."""
+        if self._items:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def get(self):
+        while not self._items:
+            await self.wait()
+        return self._items.popleft()
+
+
 class Job:
     """One HTTP request: a prompt and sampling params per choice, and the events it receives."""
 
     def __init__(self, prompts: list[list[int]], params: list[SamplingParams]):
         self.prompts, self.params = prompts, params
-        self.events: asyncio.Queue = asyncio.Queue()  # ACCEPTED, Deltas, or a ServeError
+        self.events = Events()  # ACCEPTED, Deltas, or a ServeError
         self.aio = asyncio.get_running_loop()
         # time.perf_counter is the system's monotonic clock: an engine process reads it too
         self.t0 = time.perf_counter()
-        self.checked = time.monotonic()  # when the handler last asked whether its client is there
-        self.done = False  # set by the handler when it saw every choice finish or an error
+        self.gone = False  # set when its client closed the connection
+        self.done = False  # set by the handler: every choice finished, an error, or it aborted
         self.taken = False  # the engine answered its submission (ACCEPTED or an error)
 
 
@@ -297,7 +341,7 @@ class EngineCore:
 
     def _delta(self, c: _Choice) -> Delta:
         seq = c.seq
-        ids = seq.output_ids[c.sent_tokens:]
+        ids = seq.token_ids[seq.n_prompt + c.sent_tokens:]  # the new ones only (output_ids copies all)
         c.sent_tokens += len(ids)
         lps = seq.logprobs[c.sent_lps:] if seq.logprobs is not None else []
         c.sent_lps += len(lps)

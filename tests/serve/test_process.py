@@ -92,3 +92,47 @@ def test_an_abort_after_one_choice_ended_stops_the_others_and_frees_their_blocks
         assert eng.snapshot["waiting"] == 0
     finally:
         eng.shutdown()
+
+
+def test_a_burst_submitted_at_once_is_accepted_and_completed_exactly_once():
+    # 64 jobs in one event-loop turn cross the pipe together and come back as tuples: each
+    # gets one ACCEPTED first, then its choices' tokens in order, one finish per choice
+    eng = EngineProcess(**TINY, max_num_seqs=32)
+    eng.start()
+    try:
+        async def run():
+            jobs = [Job([[1 + i % 7, 2, 3]] * (1 + i % 2),
+                        [SamplingParams(max_tokens=4 + i % 5, ignore_eos=True, temperature=0)] * (1 + i % 2))
+                    for i in range(64)]
+            for job in jobs:
+                eng.submit(job)
+
+            async def events(job):
+                out = []
+                while sum(isinstance(e, Delta) and e.finish_reason is not None for e in out) < len(job.prompts):
+                    out.append(await asyncio.wait_for(job.events.get(), 60))
+                    assert not isinstance(out[-1], ServeError), out[-1]
+                return out
+            return jobs, await asyncio.gather(*(events(j) for j in jobs))
+        jobs, evs = asyncio.run(run())
+        for job, ev in zip(jobs, evs):
+            assert ev[0] == ACCEPTED and ev.count(ACCEPTED) == 1
+            for i, p in enumerate(job.params):
+                mine = [d for d in ev[1:] if d.index == i]
+                assert sum(len(d.token_ids) for d in mine) == p.max_tokens
+                assert [d.finish_reason for d in mine if d.finish_reason] == ["length"]
+                assert mine[-1].finish_reason == "length"
+        # equal prompts and greedy sampling: equal outputs, whichever turn each choice ran in
+        first = {}
+        for job, ev in zip(jobs, evs):
+            toks = [t for d in ev[1:] if d.index == 0 for t in d.token_ids]
+            key = tuple(job.prompts[0])
+            ref = first.setdefault(key, toks)
+            n = min(len(ref), len(toks))
+            assert toks[:n] == ref[:n]
+        deadline = time.monotonic() + 10
+        while eng.snapshot.get("kv_blocks_used", -1) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.snapshot["kv_blocks_used"] == 0 and eng.snapshot["waiting"] == 0
+    finally:
+        eng.shutdown()
