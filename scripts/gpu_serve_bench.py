@@ -44,7 +44,7 @@ def load_config(url: str, n: int, **kw) -> LoadConfig:
 
 
 def summary(res: dict) -> dict:
-    keep = ("requests", "wall_s", "output_tokens", "output_tok_s", "accepted_s", "ttft_s", "tpot_s",
+    keep = ("requests", "wall_s", "output_tokens", "output_tok_s", "accepted_s", "accept_span_s", "ttft_s", "tpot_s",
             "itl_s", "engine", "client_cpu_s", "kv_blocks_used_after", "checks", "ok", "problems")
     return {k: res[k] for k in keep}
 

@@ -87,7 +87,9 @@ def serve_lines(res: dict) -> list[str]:
             f"(goal >= {SERVE_LOAD_RATIO}); one request {s['one_request']['tok_s']} vs "
             f"{o['one_request']['tok_s']} tok/s, overhead {res['one_request_overhead']:.3f} "
             f"(goal <= {SERVE_OVERHEAD}); load checks ok {s['load']['ok']}, with disconnects "
-            f"{s['load_10pct_disconnects']['ok']}"]
+            f"{s['load_10pct_disconnects']['ok']}; the load admitted in {s['load'].get('accept_span_s', '?')} s "
+            f"(first request sent to last headers), engine busy {s['load'].get('engine', {}).get('busy_s', '?')} of "
+            f"{s['load']['wall_s']} s"]
 
 
 def spec_lines(by: dict) -> list[str]:

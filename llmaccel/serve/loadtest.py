@@ -60,6 +60,7 @@ class Outcome:
     problem: str | None = None
     ttft: float | None = None
     accepted: float | None = None  # seconds to the response's headers (the engine took the request)
+    start: float = 0.0  # when it was sent (perf_counter)
     tpot: float | None = None
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -135,7 +136,7 @@ class LoadTest:
         url = self.cfg.url.rstrip("/") + "/v1/completions"
         kw = {"data": body, "headers": {**self.headers, **headers, "content-type": "application/json"}} \
             if isinstance(body, bytes) else {"json": body, "headers": {**self.headers, **headers}}
-        t0 = time.perf_counter()
+        t0 = o.start = time.perf_counter()
         try:
             async with client.post(url, **kw) as r:
                 o.status, o.accepted = r.status, time.perf_counter() - t0
@@ -269,6 +270,9 @@ class LoadTest:
             "client_cpu_s": round(cpu, 3),
             "goodput_requests_s": round(len(meets) / wall, 2),
             "accepted_s": pct([o.accepted for o in good if o.accepted is not None]),
+            # the first request sent to the last one's headers: how long admitting the load took
+            "accept_span_s": round(max((o.start + o.accepted for o in good if o.accepted is not None),
+                                       default=0.0) - min(o.start for o in outs), 3),
             "ttft_s": pct([o.ttft for o in good if o.ttft is not None]),
             "tpot_s": pct([o.tpot for o in good if o.tpot is not None]),
             "itl_s": pct([x for o in good for x in o.itl]),
@@ -323,6 +327,8 @@ def render(res: dict) -> str:
     lines = [f"{sum(res['requests'].values())} requests {res['requests']} in {res['wall_s']} s: "
              f"{res['output_tok_s']} output tok/s, {res['requests_s']} req/s, goodput "
              f"{res['goodput_requests_s']} req/s; statuses {res['statuses']}"]
+    lines.append(f"  admitted in {res['accept_span_s']} s (first request sent to last headers); "
+                 f"to headers {res['accepted_s']}")
     for k in ("ttft_s", "tpot_s", "itl_s"):
         lines.append(f"  {k[:-2].upper():5} {res[k]}")
     lines += [f"  [{'ok' if v else 'FAIL'}] {k}" for k, v in res["checks"].items()]
