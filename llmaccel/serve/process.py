@@ -15,6 +15,7 @@ turn, with the engine thread waiting for the GIL; tuples, a fifth of that).
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -150,6 +151,11 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
     # the engine thread and the sender share this process's GIL: a thread that wants it back
     # (the sender with a turn's events, the engine back from a CUDA sync) waits at most 1 ms
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # the model, torch and the engine live as long as this process: out of the collector's way,
+    # so that a full collection (the turns' events make them frequent) does not stop the engine
+    # thread to scan them
+    gc.collect()
+    gc.freeze()
     inbox = _PipeInbox(cmd_conn)
     out = _PipeOut(out_conn, inbox)
     result = []
@@ -198,7 +204,9 @@ class EngineProcess(Frontend):
 
     @property
     def alive(self) -> bool:
-        return self._running and self.error is None and self._proc.is_alive()
+        # not Process.is_alive: every submission asks, and its waitpid took ~5% of the server's
+        # time in a burst; the reader sees the pipe close as soon as the process ends
+        return self._running and self.error is None
 
     def start(self) -> None:
         self._running = True
@@ -223,7 +231,15 @@ class EngineProcess(Frontend):
         if kind == "add":
             jid = next(self._ids)
             with self._lock:
-                self._jobs[jid], self._job_ids[id(arg)] = [arg, len(arg.prompts)], jid
+                running = self._running
+                if running:
+                    self._jobs[jid], self._job_ids[id(arg)] = [arg, len(arg.prompts)], jid
+                else:  # the reader has failed what was in flight: this one would wait forever
+                    arg.taken = True
+                    self._in_flight_adds -= len(arg.prompts)
+            if not running:
+                arg.events.put_nowait(self._gone())  # on the job's event loop: submit runs there
+                return
             arg = (jid, arg.prompts, arg.params, arg.t0)
         elif kind == "abort":
             with self._lock:
@@ -294,12 +310,17 @@ class EngineProcess(Frontend):
             self._core = figures
         self.flush()
 
+    def _gone(self) -> ServeError:
+        """What a job the engine can no longer answer ends with."""
+        return (ServeError(503, "the server is shutting down") if self.error is None
+                else ServeError(500, str(self.error)))
+
     def _end(self) -> None:
         """The engine is gone: every job still waiting ends with 500 (or 503 on shutdown)."""
         with self._lock:
+            self._running = False
             jobs, self._jobs, self._job_ids = [e[0] for e in self._jobs.values()], {}, {}
-        err = (ServeError(503, "the server is shutting down") if self.error is None
-               else ServeError(500, str(self.error)))
+        err = self._gone()
         for job in jobs:
             self.route(job, err)
         self.flush()
