@@ -35,8 +35,8 @@ async def _watch(job: Job, receive) -> None:
 
 class EventStream(Response):
     """Server-sent events from an async iterator of str. Starlette's StreamingResponse also
-    listens for the disconnect in an anyio task group, whose cancel formats a task's repr: a
-    millisecond of the event loop per stream on a 2-core CPU; here the job's own watch task
+    listens for the disconnect in an anyio task group, whose cancel formats a task's repr (a
+    good part of the ~0.3 ms per stream it cost the event loop); here the job's own watch task
     does that (a client that leaves ends the iterator, which aborts the job). on_close runs
     however the response ends, even before the iterator started."""
 
