@@ -59,10 +59,11 @@ class Sequence:
         self.detok = None  # IncrementalDetokenizer, made by the engine when text is needed
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         # sampled tokens are drawn by (seed, position) (sampler.row_uniforms); the generator
-        # serves speculative verification's rejection sampling
+        # serves speculative drafting and verification only (a CUDA generator per request of a
+        # 256-request burst cost the admission time for nothing)
         self.seed = request_seed(params)
         self.generator = None
-        if params.temperature > 0:
+        if params.temperature > 0 and spec_k > 0:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(self.seed)
 
