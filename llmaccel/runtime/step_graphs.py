@@ -1,19 +1,26 @@
-"""Small prefill and mixed steps replayed as CUDA graphs.
+"""Small prefill steps replayed as CUDA graphs.
 
 Run eagerly, a step's forward is Python through the graph and some 650 launches for llama-1b:
 ~16 ms of host time for 2.3 ms of GPU work at a 128-token prompt, which is most of the time to
-the first token of a short request. A step of at most `max_tokens` tokens over at most 8
-sequences, each wanting the logits of its last token at most (no speculative verification),
-runs instead on the static buffers of a bucket shape and replays the graph captured for it:
+the first token of a short request. A step of at most `max_tokens` tokens over at most
+`max_seqs` sequences (default: one, a lone request's prefill), each wanting the logits of its
+last token at most (no speculative verification), runs instead on the static buffers of a
+bucket shape and replays the graph captured for it:
 
 - tokens padded to 16 * 2^k; the spare tokens form one padding sequence on the scratch block
   (token 0 at position 0, slots inside the scratch block), whose outputs are discarded;
 - sequences padded to 1, 2, 4 or 8; the spare ones are empty (no tokens, no context);
 - block tables padded to a power of two >= 8 blocks with the scratch block.
 
-Every sequence goes through the varlen prefill attention (a decode row is a sequence of one
-token), with the bucket's token count as its maximum query length (programs past a sequence's
-tokens exit at once). The logits of spare rows read row 0 and are cut off.
+Every sequence goes through the varlen prefill attention (a decode row of a mixed step is a
+sequence of one token), with the bucket's token count as its maximum query length (programs
+past a sequence's tokens exit at once). The logits of spare rows read row 0 and are cut off.
+
+Why one sequence by default: under a server's burst (256 requests arriving over a second),
+steps of a few new prompts mixed with running rows of growing contexts met a new shape nearly
+every step, and each first use is an eager run plus a capture: the engine's steps averaged 200
+ms (H200, llama-1b; the server's throughput fell to 0.17x the offline one). At most
+`max_graphs` shapes are captured; steps of other shapes then run eagerly.
 
 Without capture (the CPU, tests) the same padded step runs eagerly on the same buffers.
 """
@@ -28,6 +35,7 @@ from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache, used_blocks
 
 MAX_TOKENS = 512  # past this a step is GPU-bound: the host's time hides behind its kernels
 SEQ_BUCKETS = (1, 2, 4, 8)
+MAX_GRAPHS = 32  # captured shapes (each holds a graph and its buffers)
 MIN_TOKENS = 16
 MIN_WIDTH = 8
 
@@ -75,9 +83,10 @@ class StepGraphs:
     ctx.logits_indices only) over `cache`, whose block `scratch` no sequence holds."""
 
     def __init__(self, gm: torch.fx.GraphModule, cache: PagedKVCache, *, scratch: int,
-                 capture: bool, pool=None, max_tokens: int = MAX_TOKENS):
+                 capture: bool, pool=None, max_tokens: int = MAX_TOKENS, max_seqs: int = 1,
+                 max_graphs: int = MAX_GRAPHS):
         self.gm, self.cache, self.scratch, self.capture = gm, cache, scratch, capture
-        self.max_tokens = max_tokens
+        self.max_tokens, self.max_seqs, self.max_graphs = max_tokens, min(max_seqs, SEQ_BUCKETS[-1]), max_graphs
         self.device = next(iter(cache.k.values())).device
         self.pool = pool  # the decode graphs' pool: one replays at a time
         self.graphs: dict[tuple[int, int, int], tuple] = {}
@@ -86,7 +95,7 @@ class StepGraphs:
 
     def shape(self, items, want) -> tuple[int, int, int] | None:
         """The bucket (tokens, sequences, width) of a step, or None when it is not small."""
-        if len(items) > SEQ_BUCKETS[-1] or any(w > 1 for w in want):
+        if len(items) > self.max_seqs or any(w > 1 for w in want):
             return None
         n = sum(len(toks) for _, _, toks in items)
         N = _pow2_at_least(n, MIN_TOKENS)
@@ -104,7 +113,7 @@ class StepGraphs:
         """The logits (one row per item with want 1, in order) of a step over items =
         (block_table, start position, new token ids), or None when no bucket takes it."""
         key = self.shape(items, want)
-        if key is None:
+        if key is None or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
             return None
         g, buf, fn = self._graph(key)
         self._fill(buf, items, want)

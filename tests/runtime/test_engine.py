@@ -279,7 +279,7 @@ def test_small_steps_on_static_buffers_match_reference(tiny, prompts, reference,
 
     llm = LLM(tiny, **kw)
     llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
-                           max_tokens=128)
+                           max_tokens=128, max_seqs=8)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
     shapes = set(llm.steps.graphs)
     assert shapes and all(N <= 128 and S in (1, 2, 4, 8) for N, S, _ in shapes)
@@ -297,13 +297,28 @@ def test_step_buckets():
     from llmaccel.runtime.step_graphs import StepGraphs
 
     cache = PagedKVCache({0: (1, 4)}, 64, 16, torch.float32, "cpu")
-    sg = StepGraphs(None, cache, scratch=63, capture=False, max_tokens=512)
+    sg = StepGraphs(None, cache, scratch=63, capture=False, max_tokens=512, max_seqs=8)
     assert sg.shape([([0] * 8, 0, [1] * 128)], [1]) == (128, 1, 8)
     assert sg.shape([([0] * 8, 0, [1] * 100)], [1]) == (128, 2, 8)
     assert sg.shape([([0] * 40, 600, [1])] * 3 + [([0] * 2, 0, [1] * 20)], [1] * 4) == (32, 8, 64)
     assert sg.shape([([0] * 40, 0, [1] * 513)], [1]) is None
     assert sg.shape([([0] * 8, 0, [1] * 10)], [3]) is None
     assert sg.shape([([0] * 8, 0, [1])] * 9, [1] * 9) is None
+    lone = StepGraphs(None, cache, scratch=63, capture=False)  # the default: one sequence
+    assert lone.shape([([0] * 8, 0, [1] * 100)], [1]) == (128, 2, 8)
+    assert lone.shape([([0] * 8, 0, [1] * 10)] * 2, [1, 1]) is None
+
+
+def test_step_graphs_stop_capturing_past_their_cap(tiny, prompts, reference):
+    """Past max_graphs shapes, steps of a new shape run eagerly (no capture storm under a
+    server's varied steps); the tokens are the reference's either way."""
+    from llmaccel.runtime.step_graphs import StepGraphs
+
+    llm = LLM(tiny)
+    llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
+                           max_graphs=2)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == reference
+    assert len(llm.steps.graphs) == 2
 
 
 @pytest.mark.parametrize("kw", [{}, {"speculative": "ngram"}], ids=["plain", "ngram"])
