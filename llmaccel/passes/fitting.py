@@ -10,7 +10,8 @@ layer by layer, with no backprop through the network:
   against the original module's output on the same inputs, and the run goes on with the fitted
   module's output;
 - each fit is closed-form or a GPTQ-style solve (least squares in the metric of the readers),
-  so a 135M model fits in a minute or two on a CPU.
+  except gqa's q/k/v projections, which a few hundred Adam steps on the one layer fit
+  (passes/gqa_fit.py); a 135M model fits in one to five minutes on a CPU.
 
 With `PASS.fit_report_tokens > 0` the pass's stats also hold the model's quality before and after
 fitting on every evaluation domain (llmaccel/eval/domains.py: wikitext2's second half and texts
@@ -184,14 +185,17 @@ def _attention_input(att: torch.fx.Node) -> torch.fx.Node:
     return q.args[0]
 
 
-def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: list[torch.fx.Node]):
+def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: list[torch.fx.Node],
+                    prefit: Callable | None = None):
     """make_sites for passes that replace attention (gqa, sla): at each attention's output
     linear W_o, refit W_o by least squares so that W_o(new attention(x)) matches the original
     W_o(softmax attention(x)) (fit_target=local; with `source`, the original model's W_o output on
     the same text). W_o is the map from the new attention's heads back to the residual stream,
     so this fits the merged values' read-out (gqa) or the linear attention's gain (sla, a full
     matrix here) to the attention block's outputs; its ridge is chosen on held-out tokens
-    (ridge_refit_validated)."""
+    (ridge_refit_validated). `prefit(att, x, pos, y, W_o, b_o)`, if given, first fits the attention's
+    own parameters to the same target (gqa's K/V) and returns None (nothing changed) or (the new
+    attention output, the W_o to start the refit from, the rewrite that installs them)."""
     pos = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
     orig_nodes = {n.name: n for n in orig.graph.nodes}
 
@@ -207,24 +211,30 @@ def attention_sites(gm: torch.fx.GraphModule, orig: torch.fx.GraphModule, atts: 
             o0 = orig_nodes[o.name]
             w0 = weight_of(orig, o0.args[1])
             b0 = weight_of(orig, o0.args[2] if len(o0.args) > 2 else None)
-            sites[o] = _o_refit(gm, sub, w0, b0, x, pos, errs, updates)
+            pre = None if prefit is None else (lambda *a, att=att: prefit(att, *a))
+            sites[o] = _o_refit(gm, sub, w0, b0, x, pos, errs, updates, pre)
         return sites, keep
     return make
 
 
-def _o_refit(gm, sub, w0, b0, x, pos, errs, updates):
+def _o_refit(gm, sub, w0, b0, x, pos, errs, updates, prefit=None):
     def site(interp, o):
         z = interp.value(o.args[0])
         if interp.source is not None:
             y = interp.source.value(o.name).float()
         else:
             y = F.linear(sub(interp.value(x), interp.value(pos)), w0, b0).float()
-        interp.kept.pop(x, None)   # read by this site only
         w = weight_of(gm, o.args[1])
         b = weight_of(gm, o.args[2] if len(o.args) > 2 else None)
         old = F.linear(z, w, b)
+        w_start, pre_write = w, None
+        if prefit is not None:
+            got = prefit(interp.value(x), interp.value(pos), y, w, b)
+            if got is not None:
+                z, w_start, pre_write = got
+        interp.kept.pop(x, None)   # read by this site only
         target = y - (0 if b is None else b.float())
-        new_w = ridge_refit_validated(w, z.flatten(0, -2).float(), target.flatten(0, -2))
+        new_w = ridge_refit_validated(w_start, z.flatten(0, -2).float(), target.flatten(0, -2))
         new = F.linear(z, new_w, b)
         before, after = rel_err(old, y), rel_err(new, y)
         errs.append((before, min(before, after)))
@@ -233,7 +243,7 @@ def _o_refit(gm, sub, w0, b0, x, pos, errs, updates):
 
         def write():
             o.args = (o.args[0], replace_weight(gm, o.args[1], new_w, o), *o.args[2:])
-        updates.append(write)
+        updates.extend([write] if pre_write is None else [pre_write, write])
         return new.to(old.dtype)
     return site
 
@@ -242,11 +252,16 @@ def ridge_refit(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, damp: float) 
     """W' = argmin ||y - x W'ᵀ||² + λ||W' - W||², λ = damp × mean diagonal of xᵀx: the linear that
     best maps the inputs at hand to the targets; the ridge keeps directions the calibration
     tokens barely excite at their current weights. x (N, K), y (N, M), w (M, K)."""
-    x, y, wd = x.double(), y.double(), w.double()
-    H = x.T @ x
+    x, y = x.double(), y.double()
+    return _ridge_solve(w, x.T @ x, x.T @ y, damp)
+
+
+def _ridge_solve(w: torch.Tensor, H: torch.Tensor, G: torch.Tensor, damp: float) -> torch.Tensor:
+    """ridge_refit from the Gram matrices H = xᵀx, G = xᵀy (fp64)."""
+    H = H.clone()
     lam = damp * H.diagonal().mean() + 1e-12
     H.diagonal().add_(lam)
-    return torch.linalg.solve(H, x.T @ y + lam * wd.T).T.to(w.dtype)
+    return torch.linalg.solve(H, G + lam * w.double().T).T.to(w.dtype)
 
 
 _DAMPS = (0.01, 0.1, 1.0, 10.0, 100.0)
@@ -256,15 +271,24 @@ def ridge_refit_validated(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> 
     """ridge_refit with its damping chosen on held-out tokens: fitted on the first half of the
     rows for each damping of _DAMPS, scored on the second half; the best is refitted on all rows.
     If no damping beats w itself on the held-out half, w is returned: a linear with as many
-    weights as the calibration has tokens overfits them otherwise."""
+    weights as the calibration has tokens overfits them otherwise. The Gram matrices of both
+    halves are formed once and the held-out errors computed from them."""
     half = x.shape[0] // 2
+    x, y = x.double(), y.double()
     xa, ya, xb, yb = x[:half], y[:half], x[half:], y[half:]
-    best, best_err = None, rel_err(xb @ w.T.to(xb.dtype), yb)
+    Ha, Ga, Hb, Gb = xa.T @ xa, xa.T @ ya, xb.T @ xb, xb.T @ yb
+    yy = yb.pow(2).sum().clamp_min(1e-30)
+
+    def heldout(wt: torch.Tensor) -> float:   # ||xb Wᵀ - yb||² / ||yb||² through Hb, Gb
+        wd = wt.double()
+        return ((torch.einsum("mk,kl,ml->", wd, Hb, wd) - 2 * torch.einsum("mk,km->", wd, Gb) + yy) / yy).item()
+
+    best, best_err = None, heldout(w)
     for d in _DAMPS:
-        err = rel_err(xb @ ridge_refit(w, xa, ya, d).T.to(xb.dtype), yb)
+        err = heldout(_ridge_solve(w, Ha, Ga, d))
         if err < best_err:
             best, best_err = d, err
-    return w if best is None else ridge_refit(w, x, y, best)
+    return w if best is None else _ridge_solve(w, Ha + Hb, Ga + Gb, best)
 
 
 def rel_err(out: torch.Tensor, target: torch.Tensor) -> float:

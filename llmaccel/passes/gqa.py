@@ -29,6 +29,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
 from llmaccel.passes.fuse import fuse_linears
+from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit
 from llmaccel.ir import is_op, op_nodes, positions, probe, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
@@ -38,6 +39,11 @@ class GQAConfig(FitOptions):
     method: Literal["mean", "cluster", "pca"] = "pca"
     calib_samples: int = 8
     calib_seq_len: int = 256
+    # with fit=true: Adam steps per layer fitting the merged W_q, W_k, W_v (and W_o) to the
+    # attention block's output (passes/gqa_fit.py; 0: only W_o is refitted) and their learning
+    # rate (relative to each weight's RMS)
+    fit_qkv_steps: int = 150
+    fit_qkv_lr: float = 0.01
 
     def __post_init__(self):
         super().__post_init__()
@@ -45,6 +51,8 @@ class GQAConfig(FitOptions):
             raise LlmaccelError(f"gqa.kv_heads must be positive, got {self.kv_heads}")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise LlmaccelError("gqa.calib_samples and gqa.calib_seq_len must be positive")
+        if self.fit_qkv_steps < 0 or self.fit_qkv_lr <= 0:
+            raise LlmaccelError("gqa.fit_qkv_steps must be >= 0 and gqa.fit_qkv_lr positive")
 
 
 def _linear_of(node: torch.fx.Node, what: str, att: torch.fx.Node) -> torch.fx.Node:
@@ -153,23 +161,34 @@ class GQA(Pass):
             self._merge(gm, s, acts[i] if acts else None, H, Hkv, hd)
         elem = weight_of(gm, sites[0]["k"].args[1]).element_size()
         per_tok = lambda n: 2 * len(sites) * n * hd * elem  # noqa: E731  K and V, every layer
+        stats = {"fused_groups_split_and_refused": unfused,
+                 "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
+                 "kv_bytes_per_token_before": per_tok(Hkv), "kv_bytes_per_token_after": per_tok(c.kv_heads)}
+        if c.fit:  # on the unfused graph: the K/V fit rewrites the k and v linears
+            stats["fit"] = self._fit(gm, ctx, orig)
         if unfused:
             fuse_linears(gm)
             prune_weights(gm)
         if ctx.config is not None:
             ctx.config.n_kv_heads = c.kv_heads  # the graph now caches kv_heads heads per layer
-        stats = {"fused_groups_split_and_refused": unfused,
-                 "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
-                 "kv_bytes_per_token_before": per_tok(Hkv), "kv_bytes_per_token_after": per_tok(c.kv_heads)}
-        if c.fit:
-            gm.graph.lint()
-            gm.recompile()
-            unfitted = snapshot(gm)
-            atts = op_nodes(gm, ops.attention)
-            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts), "gqa fit", orig)
-            if c.fit_report_tokens:
-                stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
         return PassResult(gm, len(sites), stats)
+
+    def _fit(self, gm, ctx, orig) -> dict:
+        c = self.config
+        gm.graph.lint()
+        gm.recompile()
+        unfitted = snapshot(gm)
+        atts = op_nodes(gm, ops.attention)
+        log: list[dict] = []
+        prefit = qkv_prefit(gm, QKVFit(steps=c.fit_qkv_steps, lr=c.fit_qkv_lr), log) if c.fit_qkv_steps else None
+        st = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts, prefit), "gqa fit", orig)
+        if log:
+            st["qkv_fit"] = {"layers_fitted": sum("fitted" in e and e["fitted"] < e["pca"] for e in log),
+                            "heldout_err": [[round(e["pca"], 5), round(e.get("fitted", e["pca"]), 5)]
+                                            for e in log]}
+        if c.fit_report_tokens:
+            st["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
+        return st
 
     def _merge(self, gm, s: dict, acts: dict | None, H: int, Hkv: int, hd: int) -> None:
         c = self.config
