@@ -84,38 +84,48 @@ if triton is not None:
                                   sbt, s_cos, so_b, so_h, smo_s, smo_h, smo_p, sml_s, sml_h,
                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                                  SPLIT: tl.constexpr, IEEE: tl.constexpr, PEEL: tl.constexpr,
+                                  PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
-        # Before the wait for the kernel before (PDL): what does not depend on it. Positions,
-        # tables, rope tables and the cached keys and values were all written before the step's
-        # first kernel; only q and the new k, v come from the projection just before.
         P = tl.load(POS + b).to(tl.int32)
         start = sp * split_len
         stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
         dt = Q.dtype.element_ty
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-        offs_n0 = start + tl.arange(0, BLOCK_N)  # the first tile of keys
-        n_ok0 = offs_n0 < stop
-        blk0 = tl.load(BT + b * sbt + offs_n0 // BS, mask=n_ok0, other=0).to(tl.int64)
-        base0 = blk0 * sc_blk + (offs_n0 % BS) * sc_s + kvh * sc_h
-        mask0 = n_ok0[:, None] & d_ok[None, :]
-        k0 = tl.load(KC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
-        v0 = tl.load(VC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
+        first = start  # the first key the loop below reads
+        if PEEL:  # (always with PDL)
+            # Before the wait for the kernel before: what does not depend on it. Positions,
+            # tables, rope tables and the cached keys and values were all written before the
+            # step's first kernel; only q and the new k, v come from the projection just before.
+            # (Without PDL the plain loop: peeling the first tile cost a third more time at 64
+            # rows.)
+            offs_d = tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+            s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+            offs_n0 = start + tl.arange(0, BLOCK_N)  # the first tile of keys
+            n_ok0 = offs_n0 < stop
+            blk0 = tl.load(BT + b * sbt + offs_n0 // BS, mask=n_ok0, other=0).to(tl.int64)
+            base0 = blk0 * sc_blk + (offs_n0 % BS) * sc_s + kvh * sc_h
+            mask0 = n_ok0[:, None] & d_ok[None, :]
+            k0 = tl.load(KC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
+            v0 = tl.load(VC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
         if PDL:
             _tl_cuda.gdc_launch_dependents()
             _tl_cuda.gdc_wait()
         q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
+        if not PEEL:
+            c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+            s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
         q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
                     g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
         m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
-        if start < stop:
-            m_i, l_i, acc = _softmax_block(q, k0, v0, n_ok0, m_i, l_i, acc, scale, IEEE)
-        for n0 in range(start + BLOCK_N, stop, BLOCK_N):
+        if PEEL:
+            if start < stop:
+                m_i, l_i, acc = _softmax_block(q, k0, v0, n_ok0, m_i, l_i, acc, scale, IEEE)
+            first = start + BLOCK_N
+        for n0 in range(first, stop, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < stop
             blk = tl.load(BT + b * sbt + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
@@ -169,13 +179,14 @@ def _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin):
 def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
                              num_splits: int | None = None, block_n: int | None = None,
                              num_warps: int = 4, num_stages: int = 3,
-                             pdl: bool | None = None) -> torch.Tensor:
+                             pdl: bool | None = None, peel: bool | None = None) -> torch.Tensor:
     """pdl: launched early behind the kernel before (programmatic dependent launch), reading what
     does not depend on it before waiting, and letting the kernel after launch early too (the
     next projection's GEMV then reads its weights while this one runs). None: at one row where
     the device has it (H200, llama-1b: a decode step 0.889 -> 0.854 ms); not at more rows,
     where cuBLAS GEMMs surround it and its early programs slowed the step (64 rows: 1.37 ->
-    1.50 ms)."""
+    1.50 ms). peel: read the first tile of keys before the wait (default: with pdl; apart from
+    it only to test that path where PDL is not available)."""
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
     _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin)
     B, H, D = q.shape
@@ -204,7 +215,8 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
-        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=num_warps,
+        BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32,
+        PEEL=pdl if peel is None else peel, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     if n > 1:
         merge_splits(mid_o, mid_lse, out, pdl)

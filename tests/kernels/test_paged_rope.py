@@ -81,16 +81,21 @@ def test_triton_real_shapes_bf16(shape):
     got, kc, _ = run(pr.paged_rope_decode_triton, c, True)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.bfloat16], rtol=0)
     torch.testing.assert_close(kc.float(), kc_w.float(), atol=TOL[torch.bfloat16], rtol=0)
+    for r in range(len(pos)):  # one row: programmatic dependent launch, first tile peeled
+        one = {**c, "qkv": c["qkv"][r:r + 1], "pos": c["pos"][r:r + 1], "bt": c["bt"][r:r + 1]}
+        got, kc, _ = run(lambda *a: pr.paged_rope_decode_triton(*a, pdl=True), one, True)
+        torch.testing.assert_close(got.float(), want[r:r + 1].float(), atol=TOL[torch.bfloat16], rtol=0)
 
 
 @pytest.mark.skipif(pr.triton is None, reason="triton not installed")
+@pytest.mark.parametrize("peel", [False, True], ids=["loop", "first-tile-peeled"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_several_tiles_and_empty_splits(splits):
+def test_triton_several_tiles_and_empty_splits(splits, peel):
     """Tiles of 16 keys over contexts up to 31: the peeled first tile, the tiles after it, and
     (3 splits of 16) splits past a row's position, which see no key."""
     c = make_case([0, 3, 16, 17, 30, 31], H=4, Hkv=2, D=16, bs=4, width=12, dtype=torch.float32)
     want, kc_w, vc_w = run(pr.paged_rope_decode_ref, c, True)
-    got, kc, vc = run(lambda *a: pr.paged_rope_decode_triton(*a, num_splits=splits, block_n=16),
-                      c, True)
+    got, kc, vc = run(lambda *a: pr.paged_rope_decode_triton(*a, num_splits=splits, block_n=16,
+                                                             peel=peel), c, True)
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=0)
     assert torch.equal(vc, vc_w)
