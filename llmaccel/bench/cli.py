@@ -18,7 +18,8 @@ def cmd_bench(a) -> None:
                 device=a.device, passes=a.passes, options=parse_sets(a.set), temperature=a.temperature,
                 top_p=a.top_p, top_k=a.top_k, warmup=a.warmup, measure_bw=not a.no_bw,
                 profile=not a.no_profile, speculative=a.speculative, spec_k=a.spec_k, prompt=a.prompt,
-                cuda_graphs=a.cuda_graphs == "on", compile=_bool_or_auto(a.compile))
+                cuda_graphs=a.cuda_graphs == "on", compile=_bool_or_auto(a.compile),
+                prefix_caching=a.prefix_caching)
     print(render(res))
     if a.json:
         print(json.dumps(res))
@@ -42,6 +43,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="Inductor on the decode step (auto: on CUDA)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="keep prefix caching on: the measured run then finds its prompts (those "
+                        "of the warm-up runs) cached and prefills only their last block")
     p.add_argument("--speculative", default=None, metavar="DRAFT", help="ngram | self | self:N | SRC")
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--prompt", default=None, help="prompt text instead of --prompt-len random tokens")

@@ -136,9 +136,12 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
           device="auto", passes="fuse", options: dict | None = None, temperature: float = 0.0,
           top_p: float = 1.0, top_k: int = 0, warmup: int = 2, measure_bw: bool = True,
           seed: int = 0, speculative: str | None = None, spec_k: int = 4, prompt: str | None = None,
-          cuda_graphs: bool = True, compile: bool | None = None, profile: bool = True) -> dict:
+          cuda_graphs: bool = True, compile: bool | None = None, profile: bool = True,
+          prefix_caching: bool = False) -> dict:
     """`batch` requests of prompt_len tokens, all added at once to `LLM`, each generating
-    exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs."""
+    exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs. Prefix
+    caching is off unless asked for: every run repeats the same prompts, which it would
+    otherwise find cached, and the peers compute their whole prefill."""
     from llmaccel.compiler.pipeline import compile as compile_model
     from llmaccel.runtime.engine import LLM
     from llmaccel.sampling import SamplingParams
@@ -174,7 +177,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
     llm = LLM(model, max_num_seqs=batch, speculative=speculative, num_speculative_tokens=spec_k,
               max_num_batched_tokens=max(2048, min(batch * prompt_len, 16384)),
-              cuda_graphs=cuda_graphs, compile=compile)
+              cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching)
     warm_s, _ = _timed(lambda: [llm.generate(ids, sp) for _ in range(warmup)], dev)
     first = [dataclasses.replace(p, max_tokens=1) for p in sp]
     prefill_s = min(_timed(lambda: llm.generate(ids, first), dev)[0] for _ in range(2))
@@ -202,6 +205,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "passes": [p["name"] for p in model.recipe], "speculative": speculative,
+        "prefix_caching": prefix_caching,
         "decode_tok_s": batch * gen_len / gen_s,
         # the decode phase alone (what a KV-cache format changes at long prompts)
         "decode_step_tok_s": batch / step_s if step_s and step_s > 0 else None,
