@@ -255,7 +255,8 @@ def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monk
     llm = LLM(tiny)
     llm.runner.capture = True
     llm.steps = step_graphs.StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1,
-                                       capture=True, pool=object())  # no CUDA pool on a CPU
+                                       capture=True, pool=object(),  # no CUDA pool on a CPU
+                                       max_seqs=8)
     with pytest.warns(UserWarning, match="run eagerly"):
         outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
