@@ -107,8 +107,8 @@ class LLM(DecodeSteps):
             self.model.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
             max_len=self.cfg.max_position, capture=on_cuda and cuda_graphs,
             compile=compile) if self.kivi is None else None
-        # small prefill / mixed steps replayed as CUDA graphs (step_graphs.py): the time to the
-        # first token of a short request is otherwise the eager step's host time
+        # a lone request's prefill step replayed as a CUDA graph (step_graphs.py): its time to the
+        # first token is otherwise the eager step's host time
         self.steps = StepGraphs(self.gm, self.cache, scratch=self.cache.num_blocks - 1, capture=True,
                                 pool=self.runner.pool) \
             if self.runner is not None and self.runner.capture and self.gm.selects_rows else None
