@@ -89,7 +89,8 @@ def serve_lines(res: dict) -> list[str]:
             f"(goal <= {SERVE_OVERHEAD}); load checks ok {s['load']['ok']}, with disconnects "
             f"{s['load_10pct_disconnects']['ok']}; the load admitted in {s['load'].get('accept_span_s', '?')} s "
             f"(first request sent to last headers), engine busy {s['load'].get('engine', {}).get('busy_s', '?')} of "
-            f"{s['load']['wall_s']} s"]
+            f"{s['load']['wall_s']} s, graphs captured during it "
+            f"{s['load'].get('engine', {}).get('graphs_captured', '?')}"]
 
 
 def spec_lines(by: dict) -> list[str]:

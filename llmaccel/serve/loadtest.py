@@ -278,9 +278,11 @@ class LoadTest:
             "itl_s": pct([x for o in good for x in o.itl]),
             "kv_blocks_used_after": after.get("llmaccel_kv_blocks_used"),
             # engine steps and seconds in them during the run: busy_s well below wall_s means
-            # the engine waited for requests (the HTTP side), not the other way round
+            # the engine waited for requests (the HTTP side), not the other way round; graphs
+            # captured during a measured run are steps that paid for a capture
             "engine": {"steps": delta("llmaccel_engine_steps_total"),
-                       "busy_s": round(delta("llmaccel_engine_busy_seconds_total"), 3)},
+                       "busy_s": round(delta("llmaccel_engine_busy_seconds_total"), 3),
+                       "graphs_captured": delta("llmaccel_cuda_graphs_captured_total")},
             "problems": [f"{o.kind}: {o.problem}" for o in outs if not o.ok][:10],
             "checks": checks, "ok": all(checks.values()),
         }

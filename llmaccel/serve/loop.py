@@ -359,7 +359,7 @@ class EngineCore:
                               kv_blocks_used=m["kv_blocks_used"], kv_blocks_total=m["kv_blocks_total"],
                               preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
                               generated_tokens=m["generated_tokens"], steps=m["steps"],
-                              busy_s=self._busy))
+                              busy_s=self._busy, graphs_captured=m["graphs_captured"]))
 
 
 def model_facts(llm) -> dict:

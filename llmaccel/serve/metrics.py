@@ -21,7 +21,9 @@ class _EngineCollector:
                 "generation_tokens": ("generated_tokens", "tokens generated"),
                 "preemptions": ("preemptions", "sequences preempted (recomputed later)"),
                 "engine_steps": ("steps", "engine steps (a decode group counts once)"),
-                "engine_busy_seconds": ("busy_s", "seconds the engine loop spent in steps")}
+                "engine_busy_seconds": ("busy_s", "seconds the engine loop spent in steps"),
+                "cuda_graphs_captured": ("graphs_captured", "CUDA graphs captured (a step shape's "
+                                         "first use: an eager run plus a capture)")}
 
     def __init__(self, loop):
         self.loop = loop

@@ -117,6 +117,8 @@ def test_load_with_disconnects_and_bad_requests(server):
     # run (from /metrics), the client's CPU time, the time to each response's headers
     eng = res["engine"]
     assert eng["steps"] > 0 and 0 < eng["busy_s"] <= res["wall_s"] + 1.0
+    assert eng["graphs_captured"] == 0  # a CPU engine captures none
+    assert "llmaccel_cuda_graphs_captured_total 0.0" in httpx.get(f"{server[0]}/metrics").text
     assert 0 < res["client_cpu_s"] and 0 < res["accepted_s"]["p50"] <= res["ttft_s"]["p50"]
 
 
