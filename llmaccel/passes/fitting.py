@@ -34,6 +34,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import compare, domain_tokens, graph_forward, text_encoder
 from llmaccel.ir import is_op, positions, replace_weight, weight_of
+from llmaccel.passes.heal_data import PROMPT_TOKENS, prompt_ids
 
 
 @dataclass
@@ -48,6 +49,9 @@ class FitOptions:
     fit_seq_len: int = 256
     fit_damp: float = 0.01       # ridge of the least-squares fits, relative to the mean diagonal
     fit_report_tokens: int = 2048  # tokens per domain of the before/after report (0: none)
+    # the fit's text: `calib`, calibration windows only; `mixed`, half of them replaced by the
+    # source model's own continuations of varied openings (code, dialogue, docs: heal's prompts)
+    fit_data: Literal["calib", "mixed"] = "calib"
 
     def __post_init__(self):
         if self.fit_samples < 1 or self.fit_seq_len < 2:
@@ -155,12 +159,26 @@ def run_sequential(gm: torch.fx.GraphModule, ids: torch.Tensor, sites: dict[torc
     return time.perf_counter() - t0
 
 
+def fit_windows(ctx, c: FitOptions) -> torch.Tensor:
+    """The fit's token windows (c.fit_data)."""
+    ids = ctx.calib_tokens(c.fit_samples, c.fit_seq_len)
+    if c.fit_data == "mixed":
+        if ctx.sampler is None or ctx.source_model is None:
+            raise LlmaccelError("fit_data=mixed needs the engine's sampler and the source model "
+                                "(llmc compile and llmaccel.compile hand them over)")
+        n = len(ids) // 2
+        prompts = prompt_ids(ctx.source_model, ids, n, "mixed", min(PROMPT_TOKENS, c.fit_seq_len // 2))
+        sampled, _ = ctx.sampler(ctx.source_model, prompts, c.fit_seq_len, seed=0, max_seqs=max(1, n))
+        ids = torch.cat([ids[: len(ids) - n].cpu(), sampled.cpu()])
+    return ids.to(ctx.device)
+
+
 def fit_sites(gm: torch.fx.GraphModule, ctx, c: FitOptions, make_sites, desc: str,
               orig: torch.fx.GraphModule) -> dict:
     """Run the sequential fit: make_sites(errs, updates) -> (sites, keep); each site callback
     appends (error before, error after) to errs and the weight rewrites to apply to updates
     (applied after the run: the graph is not changed while the interpreter walks it)."""
-    ids = ctx.calib_tokens(c.fit_samples, c.fit_seq_len).to(ctx.device)
+    ids = fit_windows(ctx, c)
     errs: list[tuple[float, float]] = []
     updates: list[Callable[[], None]] = []
     sites, keep = make_sites(errs, updates)

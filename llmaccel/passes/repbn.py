@@ -67,6 +67,10 @@ class RepBNConfig(FitOptions):
     time_reps: int = 5       # timed forwards before/after (median); 0 skips timing
     time_tokens: int = 128   # tokens of the timed forward (batch 1)
     fit_shift: bool = True   # fit: a per-channel shift besides the scale (false: scale only)
+    # fitted on calibration text alone, the folded affines learned wikitext's activations and got
+    # worse on code and docs; with half the windows the source's own continuations of varied
+    # openings, every domain improved (SmolLM2-135M, docs/quality.md)
+    fit_data: Literal["calib", "mixed"] = "mixed"
 
     def __post_init__(self):
         super().__post_init__()

@@ -13,6 +13,7 @@ from llmaccel.eval.domains import compare, graph_forward
 from llmaccel.ir import is_op, probe
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
+from llmaccel.runtime.windows import sample_windows
 
 SRC = "preset:tiny-llama"
 CASES = {
@@ -27,7 +28,8 @@ FIT = {"fit_samples": "64", "fit_seq_len": "64"}
 def _run(name: str, fit: bool, model):
     def calib(n, s):  # the same calibration ids for both runs
         return torch.randint(0, model.config.vocab_size, (n, s), generator=torch.Generator().manual_seed(0))
-    ctx = PassContext(model.config, progress=Progress(False), calib_source=calib, source_model=load(SRC))
+    ctx = PassContext(model.config, progress=Progress(False), calib_source=calib, source_model=load(SRC),
+                      sampler=sample_windows)  # repbn fits on sampled windows too (fit_data=mixed)
     cls = get_pass(name)
     res = cls(make_config(cls, {**CASES[name], **FIT, "fit": str(fit).lower()})).run(model.gm, ctx)
     res.gm.graph.lint()
@@ -81,3 +83,15 @@ def test_real_fit_lowers_kl_on_python_code():
     res = m.report["passes"][0]["stats"]["fit"]["quality"]["python-code"]
     assert res["tokens"] == 127
     assert res["fitted"]["kl"] < res["unfitted"]["kl"], res
+
+
+def test_mixed_fit_data_needs_the_engines_sampler():
+    """repbn's default fit text (half sampled by the engine) without a sampler: one clear error."""
+    from llmaccel.errors import LlmaccelError
+
+    model = load(SRC)
+    ctx = PassContext(model.config, progress=Progress(False), source_model=load(SRC),
+                      calib_source=lambda n, s: torch.randint(0, 500, (n, s)))
+    cls = get_pass("repbn")
+    with pytest.raises(LlmaccelError, match="fit_data=mixed needs the engine"):
+        cls(make_config(cls, {**CASES["repbn"], **FIT, "fit": "true"})).run(model.gm, ctx)
