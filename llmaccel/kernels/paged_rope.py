@@ -79,6 +79,27 @@ if triton is not None:
         return (x.to(tl.float32) * c + rot * s).to(x.dtype)
 
     @triton.jit
+    def _rope_row(COS, SIN, P, s_cos, offs_d, d_ok, dt):
+        """The rope tables' row at position P, rounded to dt as ops.rope does, in fp32."""
+        c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+        s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+        return c, s
+
+    @triton.jit
+    def _kv_tile(KC, VC, BT, n0, stop, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, dt,
+                 BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Cached keys and values n0 .. n0 + BLOCK_N (those below stop) of one KV head, through
+        the row's block table BT; with their mask."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        blk = tl.load(BT + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
+        base = blk * sc_blk + (offs_n % BS) * sc_s + kvh * sc_h
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
+        v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
+        return k, v, n_ok
+
+    @triton.jit
     def _paged_rope_decode_kernel(Q, K, V, KC, VC, POS, BT, O, MID_O, MID_LSE, COS, SIN, scale,
                                   split_len, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_blk, sc_s, sc_h,
                                   sbt, s_cos, so_b, so_h, smo_s, smo_h, smo_p, sml_s, sml_h,
@@ -102,22 +123,15 @@ if triton is not None:
             # rows.)
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
-            c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-            s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-            offs_n0 = start + tl.arange(0, BLOCK_N)  # the first tile of keys
-            n_ok0 = offs_n0 < stop
-            blk0 = tl.load(BT + b * sbt + offs_n0 // BS, mask=n_ok0, other=0).to(tl.int64)
-            base0 = blk0 * sc_blk + (offs_n0 % BS) * sc_s + kvh * sc_h
-            mask0 = n_ok0[:, None] & d_ok[None, :]
-            k0 = tl.load(KC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
-            v0 = tl.load(VC + base0[:, None] + offs_d[None, :], mask=mask0, other=0.0).to(dt)
+            c, s = _rope_row(COS, SIN, P, s_cos, offs_d, d_ok, dt)
+            k0, v0, n_ok0 = _kv_tile(KC, VC, BT + b * sbt, start, stop, kvh, sc_blk, sc_s, sc_h,
+                                     offs_d, d_ok, dt, BS, BLOCK_N)  # the first tile of keys
         if PDL:
             _tl_cuda.gdc_launch_dependents()
             _tl_cuda.gdc_wait()
         q, heads, offs_d, g_ok, d_ok = _group_queries(Q + b * sq_b, kvh, sq_h, GROUP, BLOCK_G, D, BLOCK_D)
         if not PEEL:
-            c = tl.load(COS + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-            s = tl.load(SIN + P * s_cos + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+            c, s = _rope_row(COS, SIN, P, s_cos, offs_d, d_ok, dt)
         q = _rotate(q, Q + b * sq_b, heads[:, None], sq_h, offs_d[None, :],
                     g_ok[:, None] & d_ok[None, :], c[None, :], s[None, :], D)
         m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
@@ -126,13 +140,8 @@ if triton is not None:
                 m_i, l_i, acc = _softmax_block(q, k0, v0, n_ok0, m_i, l_i, acc, scale, IEEE)
             first = start + BLOCK_N
         for n0 in range(first, stop, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < stop
-            blk = tl.load(BT + b * sbt + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
-            base = blk * sc_blk + (offs_n % BS) * sc_s + kvh * sc_h
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
-            v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
+            k, v, n_ok = _kv_tile(KC, VC, BT + b * sbt, n0, stop, kvh, sc_blk, sc_s, sc_h, offs_d,
+                                  d_ok, dt, BS, BLOCK_N)
             m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
         if (P >= start) & (P < start + split_len):  # this split owns slot pos
             kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
