@@ -34,7 +34,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import compare, domain_tokens, graph_forward, text_encoder
 from llmaccel.ir import is_op, positions, replace_weight, weight_of
-from llmaccel.passes.heal_data import PROMPT_TOKENS, prompt_ids
+from llmaccel.passes.heal_data import PROMPT_TOKENS, sample_source
 
 
 @dataclass
@@ -163,12 +163,10 @@ def fit_windows(ctx, c: FitOptions) -> torch.Tensor:
     """The fit's token windows (c.fit_data)."""
     ids = ctx.calib_tokens(c.fit_samples, c.fit_seq_len)
     if c.fit_data == "mixed":
-        if ctx.sampler is None or ctx.source_model is None:
-            raise LlmaccelError("fit_data=mixed needs the engine's sampler and the source model "
-                                "(llmc compile and llmaccel.compile hand them over)")
         n = len(ids) // 2
-        prompts = prompt_ids(ctx.source_model, ids, n, "mixed", min(PROMPT_TOKENS, c.fit_seq_len // 2))
-        sampled, _ = ctx.sampler(ctx.source_model, prompts, c.fit_seq_len, seed=0, max_seqs=max(1, n))
+        sampled, _ = sample_source(ctx, ids, n, c.fit_seq_len, "mixed",
+                                   prompt_len=min(PROMPT_TOKENS, c.fit_seq_len // 2), seed=0,
+                                   max_seqs=max(1, n), who="fit_data=mixed")
         ids = torch.cat([ids[: len(ids) - n].cpu(), sampled.cpu()])
     return ids.to(ctx.device)
 

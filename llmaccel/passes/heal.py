@@ -35,8 +35,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.heal_data import (PROMPT_TOKENS, DomainEval, prompt_ids,
-                                       resolve_prompts)
+from llmaccel.passes.heal_data import PROMPT_TOKENS, DomainEval, resolve_prompts, sample_source
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype)
 from llmaccel.ir import is_op, positions, weight_of
@@ -210,13 +209,11 @@ class Heal(Pass):
         c = self.config
         model = ctx.source_model
         kind = resolve_prompts(c.prompts, model)
-        prompts = prompt_ids(model, train, c.sampled, kind, min(PROMPT_TOKENS, max(1, seq_len // 2)))
         ctx.progress.log(f"heal: sampling {c.sampled} windows of {seq_len + 1} tokens ({kind} prompts)")
         bs = _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
-        if ctx.sampler is None:
-            raise LlmaccelError("heal.sampled needs a sampler to generate windows with (llmaccel.compile "
-                                "and llmc compile hand it the engine's; PassContext.sampler)")
-        windows, stats = ctx.sampler(model, prompts, seq_len + 1, seed=c.seed, max_seqs=bs)
+        windows, stats = sample_source(ctx, train, c.sampled, seq_len + 1, kind,
+                                       prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
+                                       seed=c.seed, max_seqs=bs, who="heal.sampled")
         return windows, {"prompts": kind, **stats}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -30,6 +30,19 @@ def resolve_prompts(kind: str, model) -> str:
     return kind
 
 
+def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, prompt_len: int,
+                  seed: int, max_seqs: int, who: str) -> tuple[torch.Tensor, dict]:
+    """n windows of `length` tokens continued by the source model from prompt_ids' prompts, with
+    the engine's sampler (PassContext.sampler): (windows, the sampler's stats). who: the option
+    that asked, named in the error when the sampler or the source model is missing."""
+    if ctx.sampler is None or ctx.source_model is None:
+        raise LlmaccelError(f"{who} needs the engine's sampler and the source model to generate "
+                            f"windows with (llmc compile and llmaccel.compile hand them over; "
+                            f"PassContext.sampler)")
+    prompts = prompt_ids(ctx.source_model, calib, n, kind, prompt_len)
+    return ctx.sampler(ctx.source_model, prompts, length, seed=seed, max_seqs=max_seqs)
+
+
 def prompt_ids(model, calib: torch.Tensor, n: int, kind: str, prompt_len: int) -> list[list[int]]:
     """n prompts of at most prompt_len tokens. calib: the openings of calibration windows (rows
     of `calib`, cycled). mixed: every other prompt is instead one of the built-in openings of
@@ -126,4 +139,4 @@ class DomainEval:
         return {"domains": domains, "domain_curve": curve, "domain_eval_s": round(self.seconds, 3)}
 
 
-__all__ = ["PROMPT_TOKENS", "resolve_prompts", "prompt_ids", "DomainEval"]
+__all__ = ["PROMPT_TOKENS", "resolve_prompts", "prompt_ids", "sample_source", "DomainEval"]

@@ -42,10 +42,9 @@ from llmaccel.codegen.kernel_ops import load_kernel_modules
 from llmaccel.codegen.lower import lower
 from llmaccel.codegen.rope import fuse_rope
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
-from llmaccel.runtime.step_graphs import cuda_graph
+from llmaccel.runtime.step_graphs import MIN_WIDTH, cuda_graph, pow2_at_least
 from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
 
-MIN_WIDTH = 8  # blocks per table row in the narrowest graph
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
 
 
@@ -184,10 +183,7 @@ class DecodeRunner:
         b = next((b for b in self.buckets if b >= n), None)
         if b is None:
             return None
-        w = MIN_WIDTH
-        while w < width:
-            w *= 2
-        return b, min(w, max(self.max_blocks, width))
+        return b, min(pow2_at_least(width, MIN_WIDTH), max(self.max_blocks, width))
 
     def _fn(self, B: int, mode: str, compiled: bool = True):
         """The sub-step: the forward (compiled by Inductor when asked: the glue between kernels

@@ -37,10 +37,11 @@ MAX_TOKENS = 512  # past this a step is GPU-bound: the host's time hides behind 
 SEQ_BUCKETS = (1, 2, 4, 8)
 MAX_GRAPHS = 32  # captured shapes (each holds a graph and its buffers)
 MIN_TOKENS = 16
-MIN_WIDTH = 8
+MIN_WIDTH = 8  # blocks per table row in the narrowest graph (the decode graphs' too)
 
 
-def _pow2_at_least(n: int, lo: int) -> int:
+def pow2_at_least(n: int, lo: int) -> int:
+    """The smallest lo * 2^k that is at least n."""
     b = lo
     while b < n:
         b *= 2
@@ -98,7 +99,7 @@ class StepGraphs:
         if len(items) > self.max_seqs or any(w > 1 for w in want):
             return None
         n = sum(len(toks) for _, _, toks in items)
-        N = _pow2_at_least(n, MIN_TOKENS)
+        N = pow2_at_least(n, MIN_TOKENS)
         if N > self.max_tokens:
             return None
         S = next((s for s in SEQ_BUCKETS if s >= len(items) + (N > n)), None)
@@ -107,7 +108,7 @@ class StepGraphs:
         bs = self.cache.block_size
         _, width = used_blocks([t for t, _, _ in items], [st + len(tk) for t, st, tk in items], bs)
         # the padding sequence's context (up to N - 1 tokens) lies in its table too
-        return N, S, _pow2_at_least(max(width, -(-N // bs)), MIN_WIDTH)
+        return N, S, pow2_at_least(max(width, -(-N // bs)), MIN_WIDTH)
 
     def run(self, items, want) -> torch.Tensor | None:
         """The logits (one row per item with want 1, in order) of a step over items =
