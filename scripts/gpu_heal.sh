@@ -41,6 +41,7 @@ passes_of() {  # job -> pass list and options
     *) echo "unknown job $1" >&2; return 1 ;;
   esac
 }
+dir_of() { local d=${1//:/_}; echo "${d//=/-}"; }  # gqa1:sampled=2048 -> gqa1_sampled-2048 (plain file names)
 lr_of() { case $1 in bitlinear) echo 1e-3 ;; sla|repbn) echo 5e-4 ;; gqa1) echo 3e-4 ;; *) echo 2e-4 ;; esac; }
 
 job() {  # the unhealed and the healed compile side by side; each report holds its held-out quality
@@ -55,7 +56,7 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
       --eval-tokens 8192 -o "$OUT/$base-noheal" > "$OUT/$base-noheal.compile.txt" 2>&1 &
   fi
   $LLMC compile "$SRC" --device cuda --passes "$passes,heal" $opts $HEAL --set heal.lr=$(lr_of "$base") \
-    $extra --calib "$TEXT" --calib-split first-half --eval-tokens 8192 -o "$OUT/$name" > "$OUT/$name.compile.txt" 2>&1
+    $extra --calib "$TEXT" --calib-split first-half --eval-tokens 8192 -o "$OUT/$(dir_of "$name")" > "$OUT/$(dir_of "$name").compile.txt" 2>&1
   wait
   echo "$name done"
 }
@@ -64,7 +65,7 @@ for j in $JOBS; do job "$j"; done
 # sparsity after heal (heal changes the weights, so the relu pass's own figure is pre-heal)
 for j in relu drelu; do [ -d "$OUT/$j" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$j" --text "$TEXT" --device cuda; done \
   | tee "$OUT/sparsity.txt"
-reports=$(for j in $JOBS; do [ -f "$OUT/$j/report.json" ] && echo "$OUT/$j/report.json"; done)
+reports=$(for j in $JOBS; do d=$(dir_of "$j"); [ -f "$OUT/$d/report.json" ] && echo "$OUT/$d/report.json"; done)
 [ -n "$reports" ] && $PY scripts/plot_heal.py $reports -o "$OUT/heal_gpu.png"
 # one summary line per job: unhealed and healed held-out quality
 $PY - "$OUT" $JOBS <<'EOF'
@@ -75,7 +76,7 @@ for j in sys.argv[2:]:
     def q(name):
         p = out / name / "report.json"
         return json.loads(p.read_text()) if p.exists() else None
-    a, b = q(f"{j.split(':')[0]}-noheal"), q(j)
+    a, b = q(f"{j.split(':')[0]}-noheal"), q(j.replace(":", "_").replace("=", "-"))
     da = a["quality"]["delta_ppl_pct"] if a and "quality" in a else float("nan")
     db = b["quality"]["delta_ppl_pct"] if b and "quality" in b else float("nan")
     kl = b["quality"].get("kl", float("nan")) if b and "quality" in b else float("nan")

@@ -3,9 +3,10 @@
     python scripts/gpu_serve_bench.py [--src preset:llama-1b] [--requests 256] [--out OUT/serve.json]
 
 1. `llmc serve SRC` as a subprocess (bf16, max_num_seqs 256, no prefix caching, so a repeated
-   load does the same work): the load test at concurrency = requests, all at once (prompts
-   128-1024 tokens of random ids, outputs 128-512, ignore_eos, temperature 0.8), once to capture
-   the CUDA graphs and once measured: output tok/s, TTFT p50/p99, TPOT; then the same load with
+   load does the same work; its start, step shapes warmed up, timed): the load test at
+   concurrency = requests, all at once (prompts 128-1024 tokens of random ids, outputs 128-512,
+   ignore_eos, temperature 0.8), twice (`first_load`, then `load`, the measured one): output
+   tok/s, TTFT p50/p99, TPOT, kernels compiled during each run; then the same load with
    10% of clients disconnecting mid-stream, which must leave the KV cache at zero; then one
    request (prompt 128, 256 tokens), three times, best wall.
 2. The server stopped, the same requests through `LLM.generate` in this process, same engine
@@ -22,7 +23,9 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,21 +48,41 @@ def load_config(url: str, n: int, **kw) -> LoadConfig:
 
 def summary(res: dict) -> dict:
     keep = ("requests", "wall_s", "output_tokens", "output_tok_s", "accepted_s", "accept_span_s", "ttft_s", "tpot_s",
-            "itl_s", "engine", "client_cpu_s", "kv_blocks_used_after", "checks", "ok", "problems")
+            "itl_s", "engine", "kernels_built", "kernels_built_names", "client_cpu_s", "kv_blocks_used_after", "checks", "ok", "problems")
     return {k: res[k] for k in keep}
 
 
+def kernels_built(cache: Path) -> list[str]:
+    """Kernels compiled into the server's Triton and Inductor caches so far (their names)."""
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*.cubin"))
+
+
 def through_server(src: str, n: int, device: str) -> dict:
+    # caches of the server's own: the kernels each run compiled are counted there; Dynamo's
+    # recompiles (a shape guard failing) are logged to this script's stderr
+    cache = Path(tempfile.mkdtemp(prefix="serve-cache-"))
+    os.environ.update(TRITON_CACHE_DIR=str(cache / "triton"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+                      TORCH_LOGS="recompiles")
+    t0 = time.perf_counter()
     with serve_subprocess(src, "--max-num-seqs", str(n), "--device", device, "--dtype",
                           "bfloat16" if device == "cuda" else "float32", "--no-prefix-caching",
                           "--max-waiting", "100000", "--log-level", "warning") as (url, _):
-        run = lambda **kw: asyncio.run(LoadTest(load_config(url, n, **kw)).run())  # noqa: E731
-        run()  # captures the CUDA graphs of the batch and width buckets this load needs
+        built = [kernels_built(cache)]
+        started = {"seconds": round(time.perf_counter() - t0, 1), "kernels_built": len(built[0])}
+
+        def run(**kw):
+            res = asyncio.run(LoadTest(load_config(url, n, **kw)).run())
+            built.append(kernels_built(cache))
+            new = sorted(set(built[-1]) - set(built[-2]))
+            res["kernels_built"], res["kernels_built_names"] = len(new), [Path(k).stem for k in new]
+            return res
+        first = run()  # the server warmed its step shapes up before it answered: this one is not special
         load = run()
         cancel = run(cancel_frac=0.1, seed=1)
         one = [run(requests=1, concurrency=1, **ONE) for _ in range(3)]
         best = min(one, key=lambda r: r["wall_s"])
-        return {"load": summary(load), "load_10pct_disconnects": summary(cancel),
+        return {"startup": started, "first_load": summary(first), "load": summary(load),
+                "load_10pct_disconnects": summary(cancel),
                 "one_request": {"tok_s": round(best["output_tokens"] / best["wall_s"], 1),
                                 "ttft_s": best["ttft_s"], "tpot_s": best["tpot_s"], "ok": best["ok"]}}
 
@@ -99,12 +122,17 @@ def offline(src: str, n: int, device: str) -> dict:
 
     prompts, params = requests(load_config("-", n))
     timed(prompts, params)
+    keys = ("steps", "eager_steps", "eager_tokens", "decode_steps", "decode_row_steps")
+    m0 = llm.metrics()
     wall, toks = timed(prompts, params)
+    m1 = llm.metrics()
+    engine = {k: m1[k] - m0[k] for k in keys}  # as the server's load reports them
     one = requests(load_config("-", 1, **ONE))
     best = min(timed(*one) for _ in range(3))
     del llm
     gc.collect()
-    return {"load": {"wall_s": round(wall, 3), "output_tokens": toks, "output_tok_s": round(toks / wall, 1)},
+    return {"load": {"wall_s": round(wall, 3), "output_tokens": toks, "output_tok_s": round(toks / wall, 1),
+                     "engine": engine},
             "one_request": {"tok_s": round(best[1] / best[0], 1)}}
 
 

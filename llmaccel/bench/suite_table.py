@@ -90,7 +90,10 @@ def serve_lines(res: dict) -> list[str]:
             f"{s['load_10pct_disconnects']['ok']}; the load admitted in {s['load'].get('accept_span_s', '?')} s "
             f"(first request sent to last headers), engine busy {s['load'].get('engine', {}).get('busy_s', '?')} of "
             f"{s['load']['wall_s']} s, graphs captured during it "
-            f"{s['load'].get('engine', {}).get('graphs_captured', '?')}"]
+            f"{s['load'].get('engine', {}).get('graphs_captured', '?')} "
+            f"({s['load'].get('engine', {}).get('graph_capture_s', '?')} s), kernels compiled during it "
+            f"{s['load'].get('kernels_built', '?')}; server start {s.get('startup', {}).get('seconds', '?')} s, "
+            f"first load {_fmt(s['first_load']['output_tok_s']) if 'first_load' in s else '?'} tok/s"]
 
 
 def spec_lines(by: dict) -> list[str]:

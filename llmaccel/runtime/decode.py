@@ -31,6 +31,7 @@ Without capture (the CPU) the same sub-step runs eagerly on the same buffers.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -177,6 +178,7 @@ class DecodeRunner:
         self.launches = 0    # groups launched from the host's rows
         self.relaunches = 0  # groups launched from the device state of the one before
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
+        self.capture_s = 0.0  # seconds in first uses of shapes: compiles and captures
 
     def bucket(self, n: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) shape that takes n rows of tables up to width blocks."""
@@ -184,6 +186,33 @@ class DecodeRunner:
         if b is None:
             return None
         return b, min(pow2_at_least(width, MIN_WIDTH), max(self.max_blocks, width))
+
+    def widths(self) -> list[int]:
+        """Every table width a shape can have, widest first."""
+        out, w = [], MIN_WIDTH
+        while True:
+            out.append(min(w, max(self.max_blocks, MIN_WIDTH)))
+            if w >= self.max_blocks:
+                return out[::-1]
+            w *= 2
+
+    def warm_keys(self, modes, context: int) -> list[tuple]:
+        """(batch, width, mode, -1) for every batch bucket and every width up to the one of
+        `context` tokens, largest first."""
+        top = self.bucket(1, -(-context // self.cache.block_size))[1]
+        return [(B, W, m, -1) for m in modes for B in self.buckets[::-1] for W in self.widths() if W <= top]
+
+    def warmup(self, context: int, modes=("greedy", "sample", "filter")) -> int:
+        """Compile and capture the step of every batch bucket at every width up to `context`
+        tokens in `modes` now, so that no step of a load within that context pays for a shape's
+        first use; how many shapes it took. Largest first: a smaller graph reuses the pool's
+        memory that a larger one's capture freed."""
+        if not self.capture:
+            return 0
+        keys = self.warm_keys(modes, context)
+        for key in keys:
+            self._graph(key)
+        return len(keys)
 
     def _fn(self, B: int, mode: str, compiled: bool = True):
         """The sub-step: the forward (compiled by Inductor when asked: the glue between kernels
@@ -206,6 +235,7 @@ class DecodeRunner:
         hit = self.graphs.get(key)
         if hit is not None:
             return hit
+        t0 = time.perf_counter()
         B, W, mode, top = key
         buf = _Buffers(B, W, self.device, top)
         buf.tables.fill_(self.scratch)
@@ -226,6 +256,7 @@ class DecodeRunner:
                 buf.i.zero_()
                 hit = (None, buf, self._fn(B, mode, compiled=False))
         self.graphs[key] = hit
+        self.capture_s += time.perf_counter() - t0
         return hit
 
     def launch(self, rows: list[tuple], n_steps: int, mode: str, top: int = -1) -> Group | None:

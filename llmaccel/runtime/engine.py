@@ -1,6 +1,7 @@
 """The LLM API: continuous batching over a paged KV cache, sampling, streaming, speculation."""
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Iterator
 
@@ -129,7 +130,8 @@ class LLM(DecodeSteps):
         self._pending = None  # (rows, the decode group launched for them): the next step's
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, spec_proposed=0,
                           spec_accepted=0, spec_verifies=0, spec_emitted=0, kv_blocks_peak=0,
-                          requests_failed=0, decode_steps=0)
+                          requests_failed=0, decode_steps=0, decode_row_steps=0, eager_steps=0,
+                          eager_tokens=0)
 
     def _kivi_cache(self, layers, speculative, tokens, max_seqs, max_batched, fraction):
         """The packed KIVI cache (kivi_cache.py): blocks of one key group, no prefix caching.
@@ -359,6 +361,8 @@ class LLM(DecodeSteps):
     def _eager_step(self, plan, proposals) -> None:
         """A step with prefill chunks or speculative proposals: one forward of the runtime graph
         over the flattened batch, sampled with the decode steps' sampler."""
+        self.stats["eager_steps"] += 1
+        self.stats["eager_tokens"] += sum(len(toks) for _, toks, _ in plan)
         items, want = [], []
         for seq, toks, nl in plan:
             items.append((seq, toks) if self.kivi else (seq.block_table, seq.num_computed, toks))
@@ -442,6 +446,18 @@ class LLM(DecodeSteps):
         elif accepted == 0:
             seq.spec_k = max(1, seq.spec_k - 1)
 
+    def warmup(self, context: int = 2048) -> dict:
+        """Compile and capture the decode steps of every batch bucket for contexts up to
+        `context` tokens, and a lone prompt's prefill steps, now (CUDA graphs only; a server does
+        this before it answers, so that no request waits for a compile; longer contexts capture
+        their widths on first use): {"shapes": how many, "seconds": how long}."""
+        if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+            raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
+        t0 = time.perf_counter()
+        n = self.runner.warmup(min(context, self.cfg.max_position)) if self.runner is not None else 0
+        n += self.steps.warmup() if self.steps is not None else 0
+        return {"shapes": n, "seconds": round(time.perf_counter() - t0, 3)}
+
     def metrics(self) -> dict:
         s = dict(self.stats)
         s.update(preemptions=self.sched.preemptions, kv_blocks_used=self.bm.num_used,
@@ -453,6 +469,7 @@ class LLM(DecodeSteps):
                  graph_steps=self.runner.replays if self.runner is not None else 0,
                  graphs_captured=sum(g is not None for runner in (self.runner, self.steps)
                                      if runner is not None for g, _, _ in runner.graphs.values()),
+                 graph_capture_s=sum(r.capture_s for r in (self.runner, self.steps) if r is not None),
                  graph_failures={**(self.runner.failures if self.runner is not None else {}),
                                  **(self.steps.failures if self.steps is not None else {})},
                  step_graph_replays=self.steps.replays if self.steps is not None else 0,

@@ -26,6 +26,7 @@ Without capture (the CPU, tests) the same padded step runs eagerly on the same b
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import numpy as np
@@ -93,6 +94,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
         self.replays = 0
+        self.capture_s = 0.0  # seconds in first uses of shapes: eager runs and captures
 
     def shape(self, items, want) -> tuple[int, int, int] | None:
         """The bucket (tokens, sequences, width) of a step, or None when it is not small."""
@@ -125,10 +127,30 @@ class StepGraphs:
             self.replays += 1
         return buf.logits[: sum(want)]
 
+    def warmup(self) -> int:
+        """Capture the steps of a lone prompt of every token bucket started at position 0 (its
+        tokens filling the bucket or not); how many shapes it took."""
+        if not self.capture:
+            return 0
+        keys = self.warm_keys()
+        for key in keys:
+            self._graph(key)
+        return len(keys)
+
+    def warm_keys(self) -> list[tuple[int, int, int]]:
+        """warmup's shapes, largest first (a smaller graph reuses the memory a larger one freed)."""
+        bs, keys, N = self.cache.block_size, [], MIN_TOKENS
+        while N <= self.max_tokens and len(keys) + 2 <= self.max_graphs:
+            W = pow2_at_least(-(-N // bs), MIN_WIDTH)
+            keys += [(N, 1, W), (N, 2, W)]
+            N *= 2
+        return keys[::-1]
+
     def _graph(self, key):
         hit = self.graphs.get(key)
         if hit is not None:
             return hit
+        t0 = time.perf_counter()
         N, S, W = key
         buf = _StepBuffers(N, S, W, self.device)
         self._fill(buf, [], [])  # a valid step of padding only, for the warm-up
@@ -148,6 +170,7 @@ class StepGraphs:
                 warnings.warn(f"steps of {N} tokens run eagerly: capturing them failed "
                               f"({self.failures[key]})")
         self.graphs[key] = hit
+        self.capture_s += time.perf_counter() - t0
         return hit
 
     def _fill(self, buf: _StepBuffers, items, want) -> None:

@@ -25,7 +25,8 @@ def _need_extra() -> None:
 
 
 def _check(a) -> None:
-    for name, lo in (("port", 0), ("max_waiting", 0), ("max_num_seqs", 1), ("shutdown_timeout", 0)):
+    for name, lo in (("port", 0), ("max_waiting", 0), ("max_num_seqs", 1), ("shutdown_timeout", 0),
+                     ("warmup_context", 0)):
         if getattr(a, name) < lo:
             raise LlmaccelError(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(a, name)}")
     if a.port > 65535:
@@ -79,7 +80,11 @@ def cmd_serve(a) -> None:
     sock = _bind(a.host, a.port)  # a port in use fails before the model loads
     engine = EngineProcess(source=a.src, max_num_seqs=a.max_num_seqs, kv_cache_tokens=a.kv_cache_tokens,
                            speculative=a.speculative, enable_prefix_caching=not a.no_prefix_caching,
-                           device=a.device, dtype=a.dtype, **opts)
+                           device=a.device, dtype=a.dtype, warmup=a.warmup_context, **opts)
+    warm = engine.facts.get("warmup")
+    if warm and warm["shapes"]:
+        print(f"llmc serve: {warm['shapes']} step shapes compiled and captured in {warm['seconds']:.1f} s",
+              file=sys.stderr, flush=True)
     name = a.served_model_name or a.src
     app = create_app(engine, name=name, api_key=a.api_key or os.environ.get("LLMACCEL_API_KEY") or None,
                      max_waiting=a.max_waiting)
@@ -102,6 +107,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: LLM's)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size (default: memory budget)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--warmup-context", type=int, default=2048, metavar="TOKENS",
+                   help="before answering, capture the CUDA graphs of every decode batch for contexts up "
+                        "to TOKENS (default 2048; longer ones capture on first use, the steps meeting "
+                        "them wait; 0: none)")
     p.add_argument("--speculative", default=None, metavar="self|ngram|SRC")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="queued sequences past which new requests get 429")

@@ -282,7 +282,10 @@ class LoadTest:
             # captured during a measured run are steps that paid for a capture
             "engine": {"steps": delta("llmaccel_engine_steps_total"),
                        "busy_s": round(delta("llmaccel_engine_busy_seconds_total"), 3),
-                       "graphs_captured": delta("llmaccel_cuda_graphs_captured_total")},
+                       "graphs_captured": delta("llmaccel_cuda_graphs_captured_total"),
+                       "graph_capture_s": round(delta("llmaccel_cuda_graph_capture_seconds_total"), 3),
+                       **{k: delta(f"llmaccel_engine_{k}_total")
+                          for k in ("eager_steps", "eager_tokens", "decode_steps", "decode_row_steps")}},
             "problems": [f"{o.kind}: {o.problem}" for o in outs if not o.ok][:10],
             "checks": checks, "ok": all(checks.values()),
         }

@@ -359,7 +359,9 @@ class EngineCore:
                               kv_blocks_used=m["kv_blocks_used"], kv_blocks_total=m["kv_blocks_total"],
                               preemptions=m["preemptions"], prompt_tokens=m["prompt_tokens"],
                               generated_tokens=m["generated_tokens"], steps=m["steps"],
-                              busy_s=self._busy, graphs_captured=m["graphs_captured"]))
+                              busy_s=self._busy, graphs_captured=m["graphs_captured"],
+                              graph_capture_s=m["graph_capture_s"],
+                              **{k: m[k] for k in ("decode_steps", "decode_row_steps", "eager_steps", "eager_tokens")}))
 
 
 def model_facts(llm) -> dict:

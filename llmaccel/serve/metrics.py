@@ -22,8 +22,16 @@ class _EngineCollector:
                 "preemptions": ("preemptions", "sequences preempted (recomputed later)"),
                 "engine_steps": ("steps", "engine steps (a decode group counts once)"),
                 "engine_busy_seconds": ("busy_s", "seconds the engine loop spent in steps"),
+                "engine_eager_steps": ("eager_steps", "steps with prompt tokens (prefill, mixed), run eagerly "
+                                       "or as a lone prompt's graph"),
+                "engine_eager_tokens": ("eager_tokens", "tokens those steps computed"),
+                "engine_decode_steps": ("decode_steps", "decode sub-steps (a decode group runs several)"),
+                "engine_decode_row_steps": ("decode_row_steps", "decode sub-steps times their rows (padding "
+                                            "rows of a bucket not counted)"),
                 "cuda_graphs_captured": ("graphs_captured", "CUDA graphs captured (a step shape's "
-                                         "first use: an eager run plus a capture)")}
+                                         "first use: an eager run plus a capture)"),
+                "cuda_graph_capture_seconds": ("graph_capture_s", "seconds the engine spent on step "
+                                               "shapes' first uses (compiles and captures)")}
 
     def __init__(self, loop):
         self.loop = loop

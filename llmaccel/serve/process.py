@@ -135,7 +135,7 @@ class _PipeOut:
         self._sender.join()
 
 
-def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
+def _child(cmd_conn, out_conn, llm_kwargs: dict, warmup: int) -> None:
     # the server process decides when to stop (a signal to the whole process group, as a
     # terminal's Ctrl-C or a service manager's stop sends, must not skip its drain)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -144,10 +144,12 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
         from llmaccel.runtime.engine import LLM
 
         llm = LLM(**llm_kwargs)
+        # before the server answers: no request within that context waits for a compile
+        warm = llm.warmup(warmup) if warmup else None
     except BaseException as e:  # noqa: BLE001 - reported to the server process, which exits 2
         out_conn.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, LlmaccelError) else str(e)))
         return
-    out_conn.send(("ready", model_facts(llm)))
+    out_conn.send(("ready", {**model_facts(llm), "warmup": warm}))
     # the engine thread and the sender share this process's GIL: a thread that wants it back
     # (the sender with a turn's events, the engine back from a CUDA sync) waits at most 1 ms
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -170,14 +172,15 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict) -> None:
 
 class EngineProcess(Frontend):
     """Starts the engine process (blocking until its LLM is built: LlmaccelError if it can't
-    be) with LLM(**llm_kwargs)."""
+    be) with LLM(**llm_kwargs); warmup > 0: then LLM.warmup(warmup) (facts["warmup"] says what
+    it took)."""
 
-    def __init__(self, **llm_kwargs):
+    def __init__(self, *, warmup: int = 0, **llm_kwargs):
         super().__init__()
         ctx = mp.get_context("spawn")  # CUDA cannot live in a forked child
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(cmd_r, out_w, llm_kwargs), name="llmaccel-engine",
+        self._proc = ctx.Process(target=_child, args=(cmd_r, out_w, llm_kwargs, warmup), name="llmaccel-engine",
                                  daemon=True)
         self._proc.start()
         cmd_r.close()

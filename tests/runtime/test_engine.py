@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from llmaccel import LLM, SamplingParams, load
+from llmaccel.errors import LlmaccelError
 from llmaccel.compiler.model import Model
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.graph import layerskip_draft
@@ -51,7 +52,6 @@ def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
 
 
 def test_bad_speculative_options_are_clear(tiny):
-    from llmaccel.errors import LlmaccelError
 
     with pytest.raises(LlmaccelError, match="self:N with N in 1..1"):
         LLM(tiny, speculative="self:7")
@@ -239,6 +239,63 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
     got = [o.token_ids for o in graphs.generate(many, params)]
     assert got == want
     assert max(b for b, *_ in graphs.runner.graphs) >= 32
+
+
+class _Replay:
+    """A stand-in for a captured CUDA graph on a CPU: replay() runs the step again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeypatch):
+    """After LLM.warmup() no decode step and no lone prompt meets a shape of first use (a server
+    warms up before it answers, so no request waits for a compile), and the tokens are the
+    reference executor's, greedy and sampled, through the warmed shapes."""
+    import llmaccel.runtime.decode as decode
+    import llmaccel.runtime.step_graphs as step_graphs
+
+    def capture(fn, pool, device, reset=None):
+        fn()
+        if reset is not None:
+            reset()
+        return _Replay(fn)
+
+    monkeypatch.setattr(decode, "cuda_graph", capture)
+    monkeypatch.setattr(step_graphs, "cuda_graph", capture)
+    llm = LLM(tiny, max_num_seqs=8)
+    llm.runner.capture = True
+    llm.steps = step_graphs.StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1,
+                                       capture=True, pool=object())  # no CUDA pool on a CPU
+    with pytest.raises(LlmaccelError, match="warm-up context"):
+        llm.warmup(0)
+    context = 300  # widths up to 32 blocks of 16 tokens: 8, 16, 32
+    warm = llm.warmup(context)
+    m0 = llm.metrics()
+    widths = llm.runner.widths()
+    assert widths == sorted(widths, reverse=True) and widths[-1] == step_graphs.MIN_WIDTH
+    assert {llm.runner.bucket(1, w)[1] for w in range(1, llm.runner.max_blocks + 1)} == set(widths)
+    assert warm["shapes"] == m0["graphs_captured"] == 3 * len(llm.runner.buckets) * 3 + len(llm.steps.warm_keys())
+    for n in range(1, 9):  # every decode batch within the context meets a warmed shape
+        for ctx in (1, 17, context):
+            for mode in ("greedy", "sample", "filter"):
+                assert (*llm.runner.bucket(n, -(-ctx // 16)), mode, -1) in llm.runner.graphs
+    assert m0["graph_capture_s"] > 0
+    for n in range(1, llm.steps.max_tokens + 1):  # every lone prompt from position 0
+        assert llm.steps.shape([([0] * 64, 0, [1] * n)], [1]) in llm.steps.graphs
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5)
+    want = [o.token_ids for o in LLM(tiny, max_num_seqs=8).generate(prompts, sampled)]
+    assert [o.token_ids for o in llm.generate(prompts, sampled)] == want
+    fresh = [7, 9, 11] * 7  # no prefix in the cache: a lone prompt's step
+    assert llm.generate([fresh], GREEDY)[0].token_ids == list(tiny.generate_ids(fresh, GREEDY))
+    m1 = llm.metrics()
+    assert m1["graphs_captured"] == m0["graphs_captured"] and m1["graph_capture_s"] == m0["graph_capture_s"]
+    assert m1["graph_steps"] > 0 and m1["step_graph_replays"] > 0
 
 
 def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monkeypatch):
