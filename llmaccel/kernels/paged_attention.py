@@ -84,10 +84,12 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: flo
 if triton is not None:
     from triton.language.extra import cuda as _tl_cuda
 
-    # the table width (sbt) varies with each eager step's longest context, the split length and
-    # count with its batch: not specialized on (a value of a new divisibility would compile a
-    # variant in the middle of a running load)
-    @triton.jit(do_not_specialize=["sbt"])
+    # Values that vary from one eager step to the next are not specialized on: the table width
+    # (sbt) with the step's longest context, the split length, the split count and the strides
+    # of the splits' buffers with its batch; nor the alignment of the prefill rows' tables and
+    # lengths, views that start after the decode rows. A new divisibility or alignment would
+    # compile a variant in the middle of a running load (seconds, every request waiting).
+    @triton.jit(do_not_specialize=["sbt"], do_not_specialize_on_alignment=["BT", "LENS"])
     def _paged_prefill_kernel(Q, KC, VC, O, BT, CU, LENS, scale,
                               sq_n, sq_h, so_n, so_h, sk_b, sk_s, sk_h, sbt,
                               GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
@@ -189,7 +191,7 @@ if triton is not None:
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         return acc, lse
 
-    @triton.jit(do_not_specialize=["split_len", "sbt"])
+    @triton.jit(do_not_specialize=["split_len", "sbt", "smo_s", "smo_h", "sml_s", "sml_h"])
     def _paged_decode_kernel(Q, KC, VC, MID_O, MID_LSE, BT, LENS, scale, split_len,
                              sq_n, sq_h, sk_b, sk_s, sk_h, sbt, smo_s, smo_h, smo_p, sml_s, sml_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
@@ -217,7 +219,7 @@ if triton is not None:
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(MID_LSE + s * sml_s + heads * sml_h + sp, lse, mask=g_ok)
 
-    @triton.jit(do_not_specialize=["n_splits"])
+    @triton.jit(do_not_specialize=["n_splits", "smo_s", "smo_h", "sml_s", "sml_h"])
     def _paged_decode_reduce_kernel(MID_O, MID_LSE, O, n_splits, smo_s, smo_h, smo_p, sml_s, sml_h,
                                     so_n, so_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
                                     BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):

@@ -147,3 +147,39 @@ def test_cuda_ops_match_reference_at_real_shapes(H, Hkv, D):
                                   c["cu_seqlens_q"], c["context_lens"], D ** -0.5)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
+
+
+def _variants(kernel) -> int:
+    """Compiled variants of a Triton kernel on this device (its first device cache's size)."""
+    caches = getattr(kernel, "device_caches", None)
+    if not caches:
+        pytest.skip("this Triton keeps no device_caches")
+    return sum(len(c[0]) for c in caches.values())
+
+
+@pytest.mark.cuda
+def test_cuda_eager_steps_of_varying_shapes_compile_no_new_variants():
+    """Steps of an engine differ in rows, table width, split count and in where the prefill rows
+    start (views after the decode rows): after one step of each kind has compiled, none of these
+    compiles another variant (one would stall a running load for seconds)."""
+    H, Hkv, D = 32, 8, 64
+    for i, (n_dec, width_ctx) in enumerate([(1, 40), (3, 100), (5, 257), (16, 1000), (2, 33), (7, 4096)]):
+        dec = [int(x) for x in torch.randint(1, width_ctx, (n_dec,))] + [width_ctx]
+        pre_q, pre_ctx = [17, 300], [17 + i, 600]
+        c = make_case([1] * len(dec) + pre_q, dec + pre_ctx, H=H, Hkv=Hkv, D=D, bs=16,
+                      dtype=torch.bfloat16, device="cuda", seed=i)
+        nd = len(dec)
+        kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+        torch.ops.llmaccel.paged_decode_attention(
+            c["q"][:nd], c["k"][:nd], c["v"][:nd], kc, vc, c["slot_mapping"][:nd], c["block_tables"][:nd],
+            c["context_lens"][:nd], scale=D ** -0.5)
+        cu = c["cu_seqlens_q"][nd:] - c["cu_seqlens_q"][nd]
+        out = torch.ops.llmaccel.paged_prefill_attention(
+            c["q"][nd:], c["k"][nd:], c["v"][nd:], kc, vc, c["slot_mapping"][nd:], c["block_tables"][nd:],
+            cu, c["context_lens"][nd:], scale=D ** -0.5, max_q_len=300)
+        want = pa.paged_attention_ref(c["q"][nd:].float(), kc.float(), vc.float(), c["block_tables"][nd:],
+                                      cu, c["context_lens"][nd:], D ** -0.5)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+        if i == 0:
+            first = {k: _variants(k) for k in (pa._paged_prefill_kernel, pa._paged_decode_kernel)}
+    assert {k: _variants(k) for k in first} == first
