@@ -24,7 +24,7 @@ from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source, verify
-from llmaccel.runtime.step_graphs import StepGraphs
+from llmaccel.runtime.step_graphs import StepGraphs, warm_eager_steps
 from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                sample_mode, sample_rows, token_logprobs)
 
@@ -448,14 +448,18 @@ class LLM(DecodeSteps):
 
     def warmup(self, context: int = 2048) -> dict:
         """Compile and capture the decode steps of every batch bucket for contexts up to
-        `context` tokens, and a lone prompt's prefill steps, now (CUDA graphs only; a server does
-        this before it answers, so that no request waits for a compile; longer contexts capture
-        their widths on first use): {"shapes": how many, "seconds": how long}."""
+        `context` tokens, and a lone prompt's prefill steps, and compile the kernels of eager
+        mixed steps, now (CUDA graphs only; a server does this before it answers, so that no
+        request waits for a compile; longer contexts capture their widths on first use):
+        {"shapes": steps captured or run, "seconds": how long}."""
         if not isinstance(context, int) or isinstance(context, bool) or context < 1:
             raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
         t0 = time.perf_counter()
-        n = self.runner.warmup(min(context, self.cfg.max_position)) if self.runner is not None else 0
+        context = min(context, self.cfg.max_position)
+        n = self.runner.warmup(context) if self.runner is not None else 0
         n += self.steps.warmup() if self.steps is not None else 0
+        if self.runner is not None and self.runner.capture:  # the eager steps' kernels too
+            n += warm_eager_steps(self.gm, self.cache, self.cache.num_blocks - 1, context)
         return {"shapes": n, "seconds": round(time.perf_counter() - t0, 3)}
 
     def metrics(self) -> dict:

@@ -17,10 +17,11 @@ sequence of one token), with the bucket's token count as its maximum query lengt
 past a sequence's tokens exit at once). The logits of spare rows read row 0 and are cut off.
 
 Why one sequence by default: under a server's burst (256 requests arriving over a second),
-steps of a few new prompts mixed with running rows of growing contexts met a new shape nearly
-every step, and each first use is an eager run plus a capture: the engine's steps averaged 200
-ms (H200, llama-1b; the server's throughput fell to 0.17x the offline one). At most
-`max_graphs` shapes are captured; steps of other shapes then run eagerly.
+steps of a few new prompts mixed with running rows of growing contexts meet many shapes, and
+each first use is an eager run plus a capture (with up to 8 sequences and no warm-up the
+server's throughput fell to 0.17x the offline one on an H200, most of it first uses of decode
+shapes; 8 sequences after LLM.warmup are not measured). At most `max_graphs` shapes are
+captured; steps of other shapes then run eagerly.
 
 Without capture (the CPU, tests) the same padded step runs eagerly on the same buffers.
 """
@@ -32,7 +33,7 @@ import warnings
 import numpy as np
 import torch
 
-from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache, used_blocks
+from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache, build_step, used_blocks
 
 MAX_TOKENS = 512  # past this a step is GPU-bound: the host's time hides behind its kernels
 SEQ_BUCKETS = (1, 2, 4, 8)
@@ -63,6 +64,25 @@ def cuda_graph(fn, pool, device, reset=None) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g, pool=pool):
         fn()
     return g
+
+
+def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int) -> int:
+    """Run mixed steps over the scratch block alone (outputs discarded), so that the kernel
+    variants of eager prefill and mixed steps are compiled before any request: a decode row at
+    contexts of 256 x 2^k tokens up to `context` (the decode attention's split count, and the
+    compiled merge of its splits, grow with the context: a split is 256 tokens or more) beside
+    a prompt of 8 and one of 40 tokens (the prefill attention's two tile heights). How many."""
+    bs, device, n, L = cache.block_size, next(iter(cache.k.values())).device, 0, 256
+    while True:
+        L = min(L, context)
+        for prompt in (8, 40):
+            items = [([scratch] * -(-L // bs), L - 1, [0]), ([scratch] * -(-prompt // bs), 0, [0] * prompt)]
+            ids, pos, ctx = build_step(cache, items, [1, 1], device)
+            gm(ids, pos, ctx)
+            n += 1
+        if L >= context:
+            return n
+        L *= 2
 
 
 class _StepBuffers:
