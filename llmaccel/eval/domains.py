@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.eval.text import read_split
+from llmaccel.eval.text import read_split, text_encoder
 from llmaccel.ir import positions
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -28,19 +28,6 @@ DOMAINS: dict[str, tuple[str, str]] = {
 }
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
-
-
-def text_encoder(model) -> Callable[[str], list[int]]:
-    """text -> token ids for `model`: its tokenizer; for a model without one (a preset) whose
-    vocabulary has at least 256 ids, the text's UTF-8 bytes, one id per byte, so that a preset
-    still sees text of distinct kinds."""
-    if getattr(model, "tokenizer_dir", None) is not None:
-        tok = model.tokenizer
-        return lambda text: tok(text).input_ids
-    if model.config.vocab_size >= 256:
-        return lambda text: list(text.encode("utf-8"))
-    raise LlmaccelError(f"{model.source} has no tokenizer and fewer than 256 token ids: "
-                        "no text can be encoded for it")
 
 
 def domain_tokens(encode: Callable[[str], list[int]], max_tokens: int, names=None) -> dict[str, torch.Tensor]:

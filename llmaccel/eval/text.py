@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -25,9 +26,24 @@ def read_split(path: str, split: str) -> str:
     return {"first-half": text[:half], "second-half": text[half:], "all": text}[split]
 
 
+def text_encoder(model) -> Callable[[str], list[int]]:
+    """text -> token ids for `model`: its tokenizer; for a model without one (a preset) whose
+    vocabulary has at least 256 ids, the text's UTF-8 bytes, one id per byte, so that a preset
+    still sees text of distinct kinds."""
+    if getattr(model, "tokenizer_dir", None) is not None:
+        tok = model.tokenizer
+        return lambda text: tok(text).input_ids
+    if model.config.vocab_size >= 256:
+        return lambda text: list(text.encode("utf-8"))
+    raise LlmaccelError(f"{model.source} has no tokenizer and fewer than 256 token ids: "
+                        "no text can be encoded for it")
+
+
 def file_tokens(model, path: str, split: str, max_tokens: int | None) -> torch.Tensor:
+    """The ids of a text file's split: by the model's tokenizer, or, for a model without one
+    (a preset), its UTF-8 bytes (text_encoder), so that presets calibrate and evaluate on it."""
     text = read_split(path, split)
-    ids = model.tokenizer(text).input_ids
+    ids = text_encoder(model)(text)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:

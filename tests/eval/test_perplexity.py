@@ -53,3 +53,16 @@ def test_split_by_characters_without_newline_translation(tmp_path):
     assert read_split(str(p), "first-half") == "ab\r\n"
     with pytest.raises(LlmaccelError, match="no such text file"):
         read_split(str(tmp_path / "missing.txt"), "all")
+
+
+def test_a_preset_reads_text_files_as_utf8_bytes(tmp_path):
+    """A model without a tokenizer (a preset) calibrates and evaluates on a text file's UTF-8
+    bytes, as the domain evaluation reads its texts; a split still cuts by characters."""
+    from llmaccel.eval.text import load_tokens
+
+    f = tmp_path / "t.txt"
+    f.write_text("héllo wörld\nsecond half", encoding="utf-8")
+    m = load("preset:tiny-llama")
+    ids = load_tokens(m, str(f), "all", None)
+    assert ids.tolist() == list("héllo wörld\nsecond half".encode("utf-8"))
+    assert load_tokens(m, str(f), "first-half", 4).tolist() == list(b"h\xc3\xa9l")
