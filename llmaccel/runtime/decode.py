@@ -197,9 +197,11 @@ class DecodeRunner:
             w *= 2
 
     def warm_keys(self, modes, context: int) -> list[tuple]:
-        """(batch, width, mode, -1) for every batch bucket and every width up to the one of
-        `context` tokens, largest first."""
-        top = self.bucket(1, -(-context // self.cache.block_size))[1]
+        """(batch, width, mode, -1) for every batch bucket and every width that rows of requests
+        within `context` tokens take, largest first. A group runs as many sub-steps as the row
+        with the most tokens left wants: a row with one token left (at position context - 2)
+        has its table grown by up to MAX_STEPS tokens, past the context."""
+        top = self.bucket(1, -(-(context - 2 + MAX_STEPS) // self.cache.block_size))[1]
         return [(B, W, m, -1) for m in modes for B in self.buckets[::-1] for W in self.widths() if W <= top]
 
     def warmup(self, context: int, modes=("greedy", "sample", "filter")) -> int:

@@ -42,7 +42,7 @@ class DecodeSteps:
         nxt = self._continue(seqs, grp)
         n, bm = grp.n, self.bm
         self.stats["decode_steps"] += n
-        self.stats["decode_row_steps"] += n * len(seqs)
+        self.stats["decode_row_steps"] += n * sum(1 for e in grp.ends if e)  # rows made padding: 0
         # the next group goes on from these tokens: it is kept only if all of them are applied
         # (a failure here leaves the rows' host state behind the device's; the next step then
         # launches from the host state again)

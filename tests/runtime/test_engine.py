@@ -251,10 +251,8 @@ class _Replay:
         self.fn()
 
 
-def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeypatch):
-    """After LLM.warmup() no decode step and no lone prompt meets a shape of first use (a server
-    warms up before it answers, so no request waits for a compile), and the tokens are the
-    reference executor's, greedy and sampled, through the warmed shapes."""
+def _capturing_llm(tiny, monkeypatch, **kw) -> LLM:
+    """An LLM on the CPU whose decode runner and step graphs "capture" (_Replay stand-ins)."""
     import llmaccel.runtime.decode as decode
     import llmaccel.runtime.step_graphs as step_graphs
 
@@ -266,10 +264,20 @@ def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeyp
 
     monkeypatch.setattr(decode, "cuda_graph", capture)
     monkeypatch.setattr(step_graphs, "cuda_graph", capture)
-    llm = LLM(tiny, max_num_seqs=8)
+    llm = LLM(tiny, **kw)
     llm.runner.capture = True
     llm.steps = step_graphs.StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1,
                                        capture=True, pool=object())  # no CUDA pool on a CPU
+    return llm
+
+
+def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeypatch):
+    """After LLM.warmup() no decode step and no lone prompt meets a shape of first use (a server
+    warms up before it answers, so no request waits for a compile), and the tokens are the
+    reference executor's, greedy and sampled, through the warmed shapes."""
+    import llmaccel.runtime.step_graphs as step_graphs
+
+    llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=8)
     with pytest.raises(LlmaccelError, match="warm-up context"):
         llm.warmup(0)
     context = 300  # widths up to 32 blocks of 16 tokens: 8, 16, 32
@@ -298,6 +306,35 @@ def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeyp
     m1 = llm.metrics()
     assert m1["graphs_captured"] == m0["graphs_captured"] and m1["graph_capture_s"] == m0["graph_capture_s"]
     assert m1["graph_steps"] > 0 and m1["step_graph_replays"] > 0
+
+
+def test_warmup_covers_requests_that_end_at_the_context(tiny, monkeypatch):
+    """Requests whose prompt and max_tokens fill the warm-up context exactly meet no new decode
+    shape: a group runs as many sub-steps as the row with the most tokens left wants, so a row
+    one token from its end has its table grown past the context by up to MAX_STEPS - 2 tokens."""
+    llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=2)
+    context = 128  # 8 blocks of 16: the narrowest width
+    llm.warmup(context)
+    before = set(llm.runner.graphs)
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(3, 500, (n,), generator=g).tolist() for n in (100, 10))
+    outs = llm.generate([a, b], [SamplingParams(max_tokens=context - 100, ignore_eos=True),
+                                 SamplingParams(max_tokens=context - 10, ignore_eos=True)])
+    assert [len(p) + len(o.token_ids) for p, o in zip((a, b), outs)] == [context] * 2
+    assert set(llm.runner.graphs) == before
+
+
+def test_decode_row_steps_count_no_padding_rows(tiny):
+    """decode_row_steps counts the sub-steps of rows that compute: a row that ended (its
+    max_tokens reached) becomes a padding row of the groups that go on, and is not counted."""
+    llm = LLM(tiny, max_num_seqs=2)
+    short, long = SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)
+    llm.generate([[5, 6, 7], [8, 9, 10]], [short, long])
+    m = llm.metrics()
+    # after the prefill step's first tokens the long row decodes 29 sub-steps; the short row
+    # rides along the first group only (8 sub-steps: the long row's group size)
+    assert m["decode_steps"] == 29
+    assert m["decode_row_steps"] == 29 + 8
 
 
 def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monkeypatch):
