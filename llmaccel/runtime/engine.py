@@ -446,6 +446,7 @@ class LLM(DecodeSteps):
         elif accepted == 0:
             seq.spec_k = max(1, seq.spec_k - 1)
 
+    @torch.inference_mode()  # as step() runs: Dynamo's guards on it hold for later shapes too
     def warmup(self, context: int = 2048) -> dict:
         """Compile and capture the decode steps of every batch bucket for contexts up to
         `context` tokens, and a lone prompt's prefill steps, and compile the kernels of eager

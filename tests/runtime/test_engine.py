@@ -324,6 +324,22 @@ def test_warmup_covers_requests_that_end_at_the_context(tiny, monkeypatch):
     assert set(llm.runner.graphs) == before
 
 
+def test_shapes_after_warmup_reuse_its_compiled_forward(tiny, monkeypatch):
+    """The warm-up compiles the decode forward in the steps' inference mode: a shape first met
+    by a request (here one asking for logprobs, which the warm-up does not capture) is captured
+    without compiling the forward again (on CUDA an Inductor compile: seconds of a running load)."""
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
+    llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=2, compile=True)
+    llm.warmup(64)
+    graphs, compiled = set(llm.runner.graphs), counters["stats"]["unique_graphs"]
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=9, ignore_eos=True, logprobs=0))[0]
+    assert len(out.token_ids) == 9 and set(llm.runner.graphs) > graphs
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_decode_row_steps_count_no_padding_rows(tiny):
     """decode_row_steps counts the sub-steps of rows that compute: a row that ended (its
     max_tokens reached) becomes a padding row of the groups that go on, and is not counted."""
