@@ -191,7 +191,7 @@ class DecodeRunner:
         """Every table width a shape can have, widest first."""
         out, w = [], MIN_WIDTH
         while True:
-            out.append(min(w, max(self.max_blocks, MIN_WIDTH)))
+            out.append(min(w, self.max_blocks))  # as bucket(): tables never outgrow max_blocks
             if w >= self.max_blocks:
                 return out[::-1]
             w *= 2

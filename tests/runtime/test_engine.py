@@ -324,6 +324,18 @@ def test_warmup_covers_requests_that_end_at_the_context(tiny, monkeypatch):
     assert set(llm.runner.graphs) == before
 
 
+def test_warmup_with_blocks_so_large_that_tables_are_narrower_than_the_narrowest_width(tiny, monkeypatch):
+    """Blocks of 128 tokens: a table of the 512-token model holds at most 4 blocks, fewer than the
+    narrowest width (8), so every decode shape has width 4; the warm-up captures exactly those."""
+    llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=1, block_size=128)
+    assert {llm.runner.bucket(1, w)[1] for w in range(1, 5)} == {4} and llm.runner.widths() == [4]
+    llm.warmup(512)
+    before = set(llm.runner.graphs)
+    assert before
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=9, ignore_eos=True))
+    assert set(llm.runner.graphs) == before
+
+
 def test_shapes_after_warmup_reuse_its_compiled_forward(tiny, monkeypatch):
     """The warm-up compiles the decode forward in the steps' inference mode: a shape first met
     by a request (here one asking for logprobs, which the warm-up does not capture) is captured
