@@ -22,8 +22,9 @@ class _EngineCollector:
                 "preemptions": ("preemptions", "sequences preempted (recomputed later)"),
                 "engine_steps": ("steps", "engine steps (a decode group counts once)"),
                 "engine_busy_seconds": ("busy_s", "seconds the engine loop spent in steps"),
-                "engine_eager_steps": ("eager_steps", "steps with prompt tokens (prefill, mixed), run eagerly "
-                                       "or as a lone prompt's graph"),
+                "engine_eager_steps": ("eager_steps", "steps on the runtime graph, run eagerly or as a lone "
+                                       "prompt's graph: prefill, mixed, speculative verification, and "
+                                       "decode steps that no decode shape takes (all of a KIVI cache's)"),
                 "engine_eager_tokens": ("eager_tokens", "tokens those steps computed"),
                 "engine_decode_steps": ("decode_steps", "decode sub-steps (a decode group runs several)"),
                 "engine_decode_row_steps": ("decode_row_steps", "decode sub-steps times their rows (padding "
