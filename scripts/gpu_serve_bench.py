@@ -57,10 +57,9 @@ def kernels_built(cache: Path) -> list[str]:
     return sorted(str(p.relative_to(cache)) for p in cache.rglob("*.cubin"))
 
 
-def through_server(src: str, n: int, device: str) -> dict:
-    # caches of the server's own: the kernels each run compiled are counted there; Dynamo's
-    # recompiles (a shape guard failing) are logged to this script's stderr
-    cache = Path(tempfile.mkdtemp(prefix="serve-cache-"))
+def through_server(src: str, n: int, device: str, cache: Path) -> dict:
+    # caches of the server's own (in `cache`): the kernels each run compiled are counted there;
+    # Dynamo's recompiles (a shape guard failing) are logged to this script's stderr
     os.environ.update(TRITON_CACHE_DIR=str(cache / "triton"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
                       TORCH_LOGS="recompiles")
     t0 = time.perf_counter()
@@ -147,8 +146,10 @@ def main() -> int:
     if a.small:
         SHAPE.update(prompt_len=(8, 16), max_tokens=(8, 16), vocab=256)
         ONE.update(prompt_len=(8, 8), max_tokens=(16, 16))
-    res = {"src": a.src, "requests": a.requests, "server": through_server(a.src, a.requests, a.device)}
-    res["offline"] = offline(a.src, a.requests, a.device)  # after the server is gone: the GPU is free
+    with tempfile.TemporaryDirectory(prefix="serve-cache-") as cache:
+        res = {"src": a.src, "requests": a.requests,
+               "server": through_server(a.src, a.requests, a.device, Path(cache))}
+        res["offline"] = offline(a.src, a.requests, a.device)  # after the server is gone: the GPU is free
     s, o = res["server"], res["offline"]
     res["load_ratio"] = round(s["load"]["output_tok_s"] / o["load"]["output_tok_s"], 3)
     res["one_request_overhead"] = round(1 - s["one_request"]["tok_s"] / o["one_request"]["tok_s"], 3)

@@ -75,7 +75,7 @@ def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int) -> int
     bs, device, n, L = cache.block_size, next(iter(cache.k.values())).device, 0, 256
     while True:
         L = min(L, context)
-        for prompt in (8, 40):
+        for prompt in sorted({min(8, context), min(40, context)}):  # within the position table
             items = [([scratch] * -(-L // bs), L - 1, [0]), ([scratch] * -(-prompt // bs), 0, [0] * prompt)]
             ids, pos, ctx = build_step(cache, items, [1, 1], device)
             gm(ids, pos, ctx)

@@ -516,3 +516,14 @@ def test_small_steps_over_prefix_cache_hits(tiny):
                            max_tokens=128)
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == ref
     assert llm.metrics()["prefix_cache_hit_tokens"] > 0
+
+
+def test_warm_eager_steps_stay_within_the_context(tiny):
+    """The warm-up's mixed steps never pass `context` positions (a model with a short position
+    table): a decode row at the context's end beside prompts cut to it."""
+    from llmaccel.runtime.step_graphs import warm_eager_steps
+
+    llm = LLM(tiny)
+    scratch = llm.cache.num_blocks - 1
+    assert warm_eager_steps(llm.gm, llm.cache, scratch, 12) == 2    # prompts of 8 and 12
+    assert warm_eager_steps(llm.gm, llm.cache, scratch, 500) == 2 * 2  # rows at 256 and 500
