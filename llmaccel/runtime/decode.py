@@ -152,6 +152,9 @@ class Group:
     ends: list[int]  # each row's position after the group (0: a row made padding)
 
 
+WARM_MODES = ("greedy", "sample", "filter")  # every sampling mode a request can ask for
+
+
 class DecodeRunner:
     """Decode sub-steps of the IR graph `gm` over `cache`, whose last block is the scratch
     block of the padding rows.
@@ -204,7 +207,7 @@ class DecodeRunner:
         top = self.bucket(1, -(-(context - 2 + MAX_STEPS) // self.cache.block_size))[1]
         return [(B, W, m, -1) for m in modes for B in self.buckets[::-1] for W in self.widths() if W <= top]
 
-    def warmup(self, context: int, modes=("greedy", "sample", "filter")) -> int:
+    def warmup(self, context: int, modes=WARM_MODES, bar=None) -> int:
         """Compile and capture the step of every batch bucket at every width up to `context`
         tokens in `modes` now, so that no step of a load within that context pays for a shape's
         first use; how many shapes it took. Largest first: a smaller graph reuses the pool's
@@ -214,6 +217,8 @@ class DecodeRunner:
         keys = self.warm_keys(modes, context)
         for key in keys:
             self._graph(key)
+            if bar is not None:
+                bar.update(1)
         return len(keys)
 
     def _fn(self, B: int, mode: str, compiled: bool = True):

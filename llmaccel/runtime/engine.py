@@ -1,11 +1,13 @@
 """The LLM API: continuous batching over a paged KV cache, sampling, streaming, speculation."""
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
@@ -13,7 +15,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
-from llmaccel.runtime.decode import DecodeRunner
+from llmaccel.runtime.decode import WARM_MODES, DecodeRunner
 from llmaccel.runtime.decode_steps import DecodeSteps
 from llmaccel.runtime.detokenize import IncrementalDetokenizer, find_stop
 from llmaccel.runtime.graph import runtime_graph
@@ -447,18 +449,23 @@ class LLM(DecodeSteps):
             seq.spec_k = max(1, seq.spec_k - 1)
 
     @torch.inference_mode()  # as step() runs: Dynamo's guards on it hold for later shapes too
-    def warmup(self, context: int = 2048) -> dict:
+    def warmup(self, context: int = 2048, progress: bool = False) -> dict:
         """Compile and capture the decode steps of every batch bucket for contexts up to
         `context` tokens, and a lone prompt's prefill steps, and compile the kernels of eager
         mixed steps, now (CUDA graphs only; a server does this before it answers, so that no
         request waits for a compile; longer contexts capture their widths on first use):
-        {"shapes": steps captured or run, "seconds": how long}."""
+        {"shapes": steps captured or run, "seconds": how long}. progress: a bar on stderr."""
         if not isinstance(context, int) or isinstance(context, bool) or context < 1:
             raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
         t0 = time.perf_counter()
         context = min(context, self.cfg.max_position)
-        n = self.runner.warmup(context) if self.runner is not None else 0
-        n += self.steps.warmup() if self.steps is not None else 0
+        capture = self.runner is not None and self.runner.capture
+        total = len(self.runner.warm_keys(WARM_MODES, context)) if capture else 0
+        total += len(self.steps.warm_keys()) if self.steps is not None else 0
+        with tqdm(total=total, desc="capturing step graphs", unit="shape", file=sys.stderr,
+                  disable=not progress or total == 0) as bar:
+            n = self.runner.warmup(context, bar=bar) if self.runner is not None else 0
+            n += self.steps.warmup(bar) if self.steps is not None else 0
         if self.runner is not None and self.runner.capture:  # the eager steps' kernels too
             n += warm_eager_steps(self.gm, self.cache, self.cache.num_blocks - 1, context)
         return {"shapes": n, "seconds": round(time.perf_counter() - t0, 3)}

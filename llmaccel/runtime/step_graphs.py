@@ -147,14 +147,16 @@ class StepGraphs:
             self.replays += 1
         return buf.logits[: sum(want)]
 
-    def warmup(self) -> int:
+    def warmup(self, bar=None) -> int:
         """Capture the steps of a lone prompt of every token bucket started at position 0 (its
-        tokens filling the bucket or not); how many shapes it took."""
+        tokens filling the bucket or not); how many shapes it took (bar: a progress bar)."""
         if not self.capture:
             return 0
         keys = self.warm_keys()
         for key in keys:
             self._graph(key)
+            if bar is not None:
+                bar.update(1)
         return len(keys)
 
     def warm_keys(self) -> list[tuple[int, int, int]]:

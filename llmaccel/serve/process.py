@@ -145,7 +145,7 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict, warmup: int) -> None:
 
         llm = LLM(**llm_kwargs)
         # before the server answers: no request within that context waits for a compile
-        warm = llm.warmup(warmup) if warmup else None
+        warm = llm.warmup(warmup, progress=True) if warmup else None
     except BaseException as e:  # noqa: BLE001 - reported to the server process, which exits 2
         out_conn.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, LlmaccelError) else str(e)))
         return

@@ -271,7 +271,7 @@ def _capturing_llm(tiny, monkeypatch, **kw) -> LLM:
     return llm
 
 
-def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeypatch):
+def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeypatch, capsys):
     """After LLM.warmup() no decode step and no lone prompt meets a shape of first use (a server
     warms up before it answers, so no request waits for a compile), and the tokens are the
     reference executor's, greedy and sampled, through the warmed shapes."""
@@ -281,8 +281,10 @@ def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeyp
     with pytest.raises(LlmaccelError, match="warm-up context"):
         llm.warmup(0)
     context = 300  # widths up to 32 blocks of 16 tokens: 8, 16, 32
-    warm = llm.warmup(context)
+    warm = llm.warmup(context, progress=True)
     m0 = llm.metrics()
+    bar = capsys.readouterr().err  # the progress bar counts every captured shape
+    assert "capturing step graphs" in bar and f"{m0['graphs_captured']}/{m0['graphs_captured']}" in bar
     widths = llm.runner.widths()
     assert widths == sorted(widths, reverse=True) and widths[-1] == step_graphs.MIN_WIDTH
     assert {llm.runner.bucket(1, w)[1] for w in range(1, llm.runner.max_blocks + 1)} == set(widths)
