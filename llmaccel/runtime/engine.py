@@ -26,7 +26,7 @@ from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source, verify
-from llmaccel.runtime.step_graphs import StepGraphs, warm_eager_steps
+from llmaccel.runtime.step_graphs import StepGraphs, eager_warm_steps, warm_eager_steps
 from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                sample_mode, sample_rows, token_logprobs)
 
@@ -454,20 +454,21 @@ class LLM(DecodeSteps):
         `context` tokens, and a lone prompt's prefill steps, and compile the kernels of eager
         mixed steps, now (CUDA graphs only; a server does this before it answers, so that no
         request waits for a compile; longer contexts capture their widths on first use):
-        {"shapes": steps captured or run, "seconds": how long}. progress: a bar on stderr."""
+        {"shapes": steps captured or run, "seconds": how long}. progress: a bar of them on stderr."""
         if not isinstance(context, int) or isinstance(context, bool) or context < 1:
             raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
         t0 = time.perf_counter()
         context = min(context, self.cfg.max_position)
         capture = self.runner is not None and self.runner.capture
-        total = len(self.runner.warm_keys(WARM_MODES, context)) if capture else 0
-        total += len(self.steps.warm_keys()) if self.steps is not None else 0
-        with tqdm(total=total, desc="capturing step graphs", unit="shape", file=sys.stderr,
+        total = len(self.steps.warm_keys()) if self.steps is not None else 0
+        if capture:
+            total += len(self.runner.warm_keys(WARM_MODES, context)) + len(eager_warm_steps(context))
+        with tqdm(total=total, desc="warming up step shapes", unit="shape", file=sys.stderr,
                   disable=not progress or total == 0) as bar:
             n = self.runner.warmup(context, bar=bar) if self.runner is not None else 0
             n += self.steps.warmup(bar) if self.steps is not None else 0
-        if self.runner is not None and self.runner.capture:  # the eager steps' kernels too
-            n += warm_eager_steps(self.gm, self.cache, self.cache.num_blocks - 1, context)
+            if capture:  # the eager steps' kernels too
+                n += warm_eager_steps(self.gm, self.cache, self.cache.num_blocks - 1, context, bar)
         return {"shapes": n, "seconds": round(time.perf_counter() - t0, 3)}
 
     def metrics(self) -> dict:

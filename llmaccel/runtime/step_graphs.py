@@ -66,23 +66,34 @@ def cuda_graph(fn, pool, device, reset=None) -> torch.cuda.CUDAGraph:
     return g
 
 
-def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int) -> int:
-    """Run mixed steps over the scratch block alone (outputs discarded), so that the kernel
-    variants of eager prefill and mixed steps are compiled before any request: a decode row at
-    contexts of 256 x 2^k tokens up to `context` (the decode attention's split count, and the
+def eager_warm_steps(context: int) -> list[tuple[int, int]]:
+    """(decode row's context, prompt tokens) of each mixed step warm_eager_steps runs: the
+    context at 256 x 2^k tokens up to `context` (the decode attention's split count, and the
     compiled merge of its splits, grow with the context: a split is 256 tokens or more) beside
-    a prompt of 8 and one of 40 tokens (the prefill attention's two tile heights). How many."""
-    bs, device, n, L = cache.block_size, next(iter(cache.k.values())).device, 0, 256
+    a prompt of 8 and one of 40 tokens (the prefill attention's two tile heights), all within
+    `context` positions."""
+    out, L = [], 256
     while True:
         L = min(L, context)
-        for prompt in sorted({min(8, context), min(40, context)}):  # within the position table
-            items = [([scratch] * -(-L // bs), L - 1, [0]), ([scratch] * -(-prompt // bs), 0, [0] * prompt)]
-            ids, pos, ctx = build_step(cache, items, [1, 1], device)
-            gm(ids, pos, ctx)
-            n += 1
+        out += [(L, p) for p in sorted({min(8, context), min(40, context)})]
         if L >= context:
-            return n
+            return out
         L *= 2
+
+
+def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int, bar=None) -> int:
+    """Run the mixed steps of eager_warm_steps(context) over the scratch block alone (every slot
+    and table entry there; outputs discarded), so that the kernel variants of eager prefill and
+    mixed steps are compiled before any request. How many (bar: a progress bar)."""
+    bs, device = cache.block_size, next(iter(cache.k.values())).device
+    steps = eager_warm_steps(context)
+    for L, prompt in steps:
+        items = [([scratch] * -(-L // bs), L - 1, [0]), ([scratch] * -(-prompt // bs), 0, [0] * prompt)]
+        ids, pos, ctx = build_step(cache, items, [1, 1], device)
+        gm(ids, pos, ctx)
+        if bar is not None:
+            bar.update(1)
+    return len(steps)
 
 
 class _StepBuffers:

@@ -83,7 +83,7 @@ def cmd_serve(a) -> None:
                            device=a.device, dtype=a.dtype, warmup=a.warmup_context, **opts)
     warm = engine.facts.get("warmup")
     if warm and warm["shapes"]:
-        print(f"llmc serve: {warm['shapes']} step shapes compiled and captured in {warm['seconds']:.1f} s",
+        print(f"llmc serve: {warm['shapes']} step shapes warmed up (compiled, captured) in {warm['seconds']:.1f} s",
               file=sys.stderr, flush=True)
     name = a.served_model_name or a.src
     app = create_app(engine, name=name, api_key=a.api_key or os.environ.get("LLMACCEL_API_KEY") or None,

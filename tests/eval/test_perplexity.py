@@ -66,3 +66,17 @@ def test_a_preset_reads_text_files_as_utf8_bytes(tmp_path):
     ids = load_tokens(m, str(f), "all", None)
     assert ids.tolist() == list("héllo wörld\nsecond half".encode("utf-8"))
     assert load_tokens(m, str(f), "first-half", 4).tolist() == list(b"h\xc3\xa9l")
+
+
+def test_a_model_without_tokenizer_and_under_256_ids_reads_no_text(tmp_path):
+    """Bytes would be ids out of range of a vocabulary under 256: one clear error instead."""
+    import dataclasses
+
+    from llmaccel.eval.text import load_tokens
+
+    f = tmp_path / "t.txt"
+    f.write_text("some text", encoding="utf-8")
+    m = load("preset:tiny-llama")
+    m.config = dataclasses.replace(m.config, vocab_size=200)
+    with pytest.raises(LlmaccelError, match="fewer than 256 token ids"):
+        load_tokens(m, str(f), "all", None)

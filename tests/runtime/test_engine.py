@@ -283,8 +283,8 @@ def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeyp
     context = 300  # widths up to 32 blocks of 16 tokens: 8, 16, 32
     warm = llm.warmup(context, progress=True)
     m0 = llm.metrics()
-    bar = capsys.readouterr().err  # the progress bar counts every captured shape
-    assert "capturing step graphs" in bar and f"{m0['graphs_captured']}/{m0['graphs_captured']}" in bar
+    bar = capsys.readouterr().err  # the progress bar counts every shape, captured or run
+    assert "warming up step shapes" in bar and f"{warm['shapes']}/{warm['shapes']}" in bar
     widths = llm.runner.widths()
     assert widths == sorted(widths, reverse=True) and widths[-1] == step_graphs.MIN_WIDTH
     assert {llm.runner.bucket(1, w)[1] for w in range(1, llm.runner.max_blocks + 1)} == set(widths)
@@ -523,9 +523,29 @@ def test_small_steps_over_prefix_cache_hits(tiny):
 def test_warm_eager_steps_stay_within_the_context(tiny):
     """The warm-up's mixed steps never pass `context` positions (a model with a short position
     table): a decode row at the context's end beside prompts cut to it."""
-    from llmaccel.runtime.step_graphs import warm_eager_steps
+    from llmaccel.runtime.step_graphs import eager_warm_steps, warm_eager_steps
 
     llm = LLM(tiny)
     scratch = llm.cache.num_blocks - 1
     assert warm_eager_steps(llm.gm, llm.cache, scratch, 12) == 2    # prompts of 8 and 12
     assert warm_eager_steps(llm.gm, llm.cache, scratch, 500) == 2 * 2  # rows at 256 and 500
+    for context in (1, 12, 256, 300, 512):
+        steps = eager_warm_steps(context)
+        assert max(L for L, _ in steps) == context and all(0 < p <= context for _, p in steps)
+
+
+def test_warmup_leaves_the_sequences_kv_alone(tiny, monkeypatch):
+    """The warm-up's steps write the scratch block only: blocks of a finished request (kept by
+    the prefix cache) are unchanged, with blocks of 4 tokens in a cache of few blocks, and a
+    request reusing that prefix still gives the reference executor's tokens."""
+    llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=2, block_size=4, kv_cache_tokens=32)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+    s = llm.cache.num_blocks - 1
+    before = [t[:s].clone() for t in (*llm.cache.k.values(), *llm.cache.v.values())]
+    warm = llm.warmup(512)
+    assert warm["shapes"] > 0 and llm.metrics()["graphs_captured"] < warm["shapes"]  # mixed steps ran
+    after = [t[:s] for t in (*llm.cache.k.values(), *llm.cache.v.values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    out = llm.generate([prompt], GREEDY)[0].token_ids
+    assert out == list(tiny.generate_ids(prompt, GREEDY)) and llm.metrics()["prefix_cache_hit_tokens"] > 0
