@@ -19,8 +19,8 @@ past a sequence's tokens exit at once). The logits of spare rows read row 0 and 
 Why one sequence by default: under a server's burst (256 requests arriving over a second),
 steps of a few new prompts mixed with running rows of growing contexts meet many shapes, and
 each first use is an eager run plus a capture (with up to 8 sequences and no warm-up the
-server's throughput fell to 0.17x the offline one on an H200, most of it first uses of decode
-shapes; 8 sequences after LLM.warmup are not measured). At most `max_graphs` shapes are
+server's throughput fell to 0.17x the offline one on an H200, its first steps holding the
+requests' headers for 14 s; 8 sequences after LLM.warmup are not measured). At most `max_graphs` shapes are
 captured; steps of other shapes then run eagerly.
 
 Without capture (the CPU, tests) the same padded step runs eagerly on the same buffers.
