@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +35,8 @@ def text_encoder(model) -> Callable[[str], list[int]]:
         tok = model.tokenizer
         return lambda text: tok(text).input_ids
     if model.config.vocab_size >= 256:
+        if not str(model.source).startswith("preset:"):  # a real model read as bytes: say so
+            warnings.warn(f"{model.source} has no tokenizer: text is read as UTF-8 bytes, one id per byte")
         return lambda text: list(text.encode("utf-8"))
     raise LlmaccelError(f"{model.source} has no tokenizer and fewer than 256 token ids: "
                         "no text can be encoded for it")

@@ -80,3 +80,13 @@ def test_a_model_without_tokenizer_and_under_256_ids_reads_no_text(tmp_path):
     m.config = dataclasses.replace(m.config, vocab_size=200)
     with pytest.raises(LlmaccelError, match="fewer than 256 token ids"):
         load_tokens(m, str(f), "all", None)
+
+
+def test_a_model_without_a_tokenizer_that_is_no_preset_warns_it_reads_bytes(tmp_path):
+    """Only presets are expected to lack a tokenizer: any other model read as bytes says so."""
+    from llmaccel.eval.text import text_encoder
+
+    m = load("preset:tiny-llama")
+    m.source = str(tmp_path / "artifact")
+    with pytest.warns(UserWarning, match="read as UTF-8 bytes"):
+        assert text_encoder(m)("ab") == [97, 98]
