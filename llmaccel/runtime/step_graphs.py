@@ -66,16 +66,20 @@ def cuda_graph(fn, pool, device, reset=None) -> torch.cuda.CUDAGraph:
     return g
 
 
+WARM_PROMPTS = (8, 40, 47)
+
+
 def eager_warm_steps(context: int) -> list[tuple[int, int]]:
     """(decode row's context, prompt tokens) of each mixed step warm_eager_steps runs: the
     context at 256 x 2^k tokens up to `context` (the decode attention's split count, and the
     compiled merge of its splits, grow with the context: a split is 256 tokens or more) beside
-    a prompt of 8 and one of 40 tokens (the prefill attention's two tile heights), all within
-    `context` positions."""
+    a prompt of 8, 40 and 47 tokens (the prefill attention's two tile heights; steps of 41 and
+    48 tokens, for kernels specialized on whether a count divides by 16, such as the int4 and
+    int8 GEMMs' rows), all within `context` positions."""
     out, L = [], 256
     while True:
         L = min(L, context)
-        out += [(L, p) for p in sorted({min(8, context), min(40, context)})]
+        out += [(L, p) for p in sorted({min(p, context) for p in WARM_PROMPTS})]
         if L >= context:
             return out
         L *= 2
