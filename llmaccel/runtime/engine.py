@@ -1,13 +1,10 @@
 """The LLM API: continuous batching over a paged KV cache, sampling, streaming, speculation."""
 from __future__ import annotations
 
-import sys
-import time
 import warnings
 from typing import Iterator
 
 import torch
-from tqdm import tqdm
 
 from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
@@ -15,7 +12,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
-from llmaccel.runtime.decode import WARM_MODES, DecodeRunner
+from llmaccel.runtime.decode import DecodeRunner
 from llmaccel.runtime.decode_steps import DecodeSteps
 from llmaccel.runtime.detokenize import IncrementalDetokenizer, find_stop
 from llmaccel.runtime.graph import runtime_graph
@@ -26,7 +23,8 @@ from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source, verify
-from llmaccel.runtime.step_graphs import StepGraphs, eager_warm_steps, warm_eager_steps
+from llmaccel.runtime.step_graphs import StepGraphs
+from llmaccel.runtime.warmup import warm_up
 from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
                                sample_mode, sample_rows, token_logprobs)
 
@@ -455,21 +453,7 @@ class LLM(DecodeSteps):
         mixed steps, now (CUDA graphs only; a server does this before it answers, so that no
         request waits for a compile; longer contexts capture their widths on first use):
         {"shapes": steps captured or run, "seconds": how long}. progress: a bar of them on stderr."""
-        if not isinstance(context, int) or isinstance(context, bool) or context < 1:
-            raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
-        t0 = time.perf_counter()
-        context = min(context, self.cfg.max_position)
-        capture = self.runner is not None and self.runner.capture
-        total = len(self.steps.warm_keys()) if self.steps is not None else 0
-        if capture:
-            total += len(self.runner.warm_keys(WARM_MODES, context)) + len(eager_warm_steps(context))
-        with tqdm(total=total, desc="warming up step shapes", unit="shape", file=sys.stderr,
-                  disable=not progress or total == 0) as bar:
-            n = self.runner.warmup(context, bar=bar) if self.runner is not None else 0
-            n += self.steps.warmup(bar) if self.steps is not None else 0
-            if capture:  # the eager steps' kernels too
-                n += warm_eager_steps(self.gm, self.cache, self.cache.num_blocks - 1, context, bar)
-        return {"shapes": n, "seconds": round(time.perf_counter() - t0, 3)}
+        return warm_up(self, context, progress)
 
     def metrics(self) -> dict:
         s = dict(self.stats)

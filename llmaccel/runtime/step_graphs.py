@@ -33,7 +33,7 @@ import warnings
 import numpy as np
 import torch
 
-from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache, build_step, used_blocks
+from llmaccel.runtime.kv_cache import PagedContext, PagedKVCache, used_blocks
 
 MAX_TOKENS = 512  # past this a step is GPU-bound: the host's time hides behind its kernels
 SEQ_BUCKETS = (1, 2, 4, 8)
@@ -64,40 +64,6 @@ def cuda_graph(fn, pool, device, reset=None) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g, pool=pool):
         fn()
     return g
-
-
-WARM_PROMPTS = (8, 40, 47)
-
-
-def eager_warm_steps(context: int) -> list[tuple[int, int]]:
-    """(decode row's context, prompt tokens) of each mixed step warm_eager_steps runs: the
-    context at 256 x 2^k tokens up to `context` (the decode attention's split count, and the
-    compiled merge of its splits, grow with the context: a split is 256 tokens or more) beside
-    a prompt of 8, 40 and 47 tokens (the prefill attention's two tile heights; steps of 41 and
-    48 tokens, for kernels specialized on whether a count divides by 16, such as the int4 and
-    int8 GEMMs' rows), all within `context` positions."""
-    out, L = [], 256
-    while True:
-        L = min(L, context)
-        out += [(L, p) for p in sorted({min(p, context) for p in WARM_PROMPTS})]
-        if L >= context:
-            return out
-        L *= 2
-
-
-def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int, bar=None) -> int:
-    """Run the mixed steps of eager_warm_steps(context) over the scratch block alone (every slot
-    and table entry there; outputs discarded), so that the kernel variants of eager prefill and
-    mixed steps are compiled before any request. How many (bar: a progress bar)."""
-    bs, device = cache.block_size, next(iter(cache.k.values())).device
-    steps = eager_warm_steps(context)
-    for L, prompt in steps:
-        items = [([scratch] * -(-L // bs), L - 1, [0]), ([scratch] * -(-prompt // bs), 0, [0] * prompt)]
-        ids, pos, ctx = build_step(cache, items, [1, 1], device)
-        gm(ids, pos, ctx)
-        if bar is not None:
-            bar.update(1)
-    return len(steps)
 
 
 class _StepBuffers:

@@ -523,7 +523,7 @@ def test_small_steps_over_prefix_cache_hits(tiny):
 def test_warm_eager_steps_stay_within_the_context(tiny):
     """The warm-up's mixed steps never pass `context` positions (a model with a short position
     table): a decode row at the context's end beside prompts cut to it."""
-    from llmaccel.runtime.step_graphs import eager_warm_steps, warm_eager_steps
+    from llmaccel.runtime.warmup import eager_warm_steps, warm_eager_steps
 
     llm = LLM(tiny)
     scratch = llm.cache.num_blocks - 1
