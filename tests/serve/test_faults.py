@@ -116,9 +116,11 @@ def test_bad_serve_options_exit_2_with_one_line(capsys):
     assert main(["serve", "preset:tiny-llama", "--max-waiting", "-1"]) == 2
     with socket.create_server(("127.0.0.1", 0)) as busy:
         assert main(["serve", "preset:tiny-llama", "--port", str(busy.getsockname()[1])]) == 2
+    assert main(["serve", "preset:tiny-llama", "--warmup-context", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(e.startswith("llmc: error: ") for e in err), err
+    assert len(err) == 4 and all(e.startswith("llmc: error: ") for e in err), err
     assert "--port must be at most 65535" in err[0] and "cannot listen" in err[2]
+    assert "--warmup-context must be at least 0" in err[3]
 
 
 def test_shutdown_ends_what_is_left_after_the_grace_period_with_503(llm):
