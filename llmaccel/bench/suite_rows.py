@@ -119,6 +119,16 @@ def _w4(group: int) -> list[str]:
     return ["--passes", "fuse,quant", "--set", "quant.bits=4", "--set", f"quant.group_size={group}",
             "--set", "quant.method=rtn"]
 
+def _w4_compile(o: Options, row: str) -> list[Job]:
+    """`llmc compile SRC --passes quant` with its defaults (4 bits, awq+gptq, 128 calibration
+    windows of wikitext2's first half; a preset reads the text as bytes: the time does not depend
+    on the weights), on the suite's device; its report.json holds the pass's seconds."""
+    argv = ("-m", "llmaccel.cli", "compile", SMALL_SRC if o.small else "preset:smollm2-135m",
+            "--device", o.device, "--passes", "quant", "--calib", "data/wikitext2/wiki.test.raw",
+            "--calib-split", "first-half", "--eval-tokens", "0", "-o", str(o.out / "w4_compile"), "--force")
+    return [Job(row, "compile_w4_smollm2-135m", argv, 240, result="w4_compile/report.json")]
+
+
 ROWS = {
     "b1": _goal("llama-1b", 1, "llmc_llama-1b_bs1", 240),
     "b1s": _goal("llama-1b", 1, "llmc_llama-1b_bs1_sampled", 200, *SAMPLED, peer=False),
@@ -144,6 +154,7 @@ ROWS = {
     "sparse": _script("sparse_down", "gpu_sparse_bench.py", 60, [], "sparse_down_bench.json", out_arg=False),
     "heal": _script("heal_throughput", "gpu_heal_throughput.py", 300, [], "heal_throughput.json",
                     small_args=["--small"]),
+    "w4compile": _w4_compile,
     "heal_sampling": _script("heal_sampling", "gpu_heal_sampling.py", 200,
                              ["--model", "preset:smollm2-135m"], "heal_sampling.json",
                              small_args=["--model", SMALL_SRC, "--windows", "8", "--length", "65",
@@ -154,7 +165,7 @@ ROWS = {
 }
 GROUPS = {
     "goals": ["b1", "b1s", "smol", "smols", "b64", "b64s", "w4", "7b", "load"],
-    "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sparse", "heal", "heal_sampling"],
+    "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sparse", "heal", "heal_sampling", "w4compile"],
     "specs": ["spec", "spec_self", "spec_ngram"],
 }
 GROUPS["all"] = GROUPS["goals"] + ["serve"] + GROUPS["checks"] + GROUPS["specs"]

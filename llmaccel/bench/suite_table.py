@@ -9,6 +9,7 @@ SAMPLED_GOAL = 0.95   # a sampled row's goal: this share of the same shape's gre
 LOAD_GOAL = 40_000    # serving load, output tok/s
 SERVE_LOAD_RATIO = 0.9
 SERVE_OVERHEAD = 0.05
+W4_COMPILE_S = 20  # llmc compile smollm2-135m --passes quant on one H200
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,11 @@ def table(records: list[dict]) -> str:
             lines += load_lines(res)
         elif r["row"] == "serve" and res:
             lines += serve_lines(res)
+        elif r["row"] == "w4compile" and res:
+            q = res["passes"][0]
+            lines.append(f"W4 compile ({q['options']['method']}, {q['options']['n_samples']} windows) of "
+                         f"{res['source']}: quant pass {q['seconds']:.1f} s, the whole command {r['wall_s']} s "
+                         f"(goal <= {W4_COMPILE_S} s on the H200)")
         elif r.get("status") == "ok" and "summary" in r:
             lines.append(f"{r['label']}: {r['summary']}")
         for k, why in (res.get("graph_failures") or {}).items():

@@ -23,14 +23,14 @@ def test_suite_small_on_cpu(tmp_path, capsys):
     peers.mkdir()
     (peers / "peer_fast.py").write_text("raise SystemExit('a peer must not run on the CPU')\n")
     out = tmp_path / "out"
-    rc = suite.main(["--device", "cpu", "--small", "--rows", "b1", "load", "kernels",
+    rc = suite.main(["--device", "cpu", "--small", "--rows", "b1", "load", "kernels", "w4compile",
                      "--peers", str(peers), "--out", str(out)])
     printed = capsys.readouterr().out
     recs = [json.loads(line) for line in (out / "suite.jsonl").read_text().splitlines()]
     by = {r["label"]: r for r in recs}
     assert rc == 0, printed
     assert [r["label"] for r in recs] == ["fast_llama-1b_bs1", "llmc_llama-1b_bs1", "load_llama-1b_256",
-                                          "runtime_kernels"]
+                                          "runtime_kernels", "compile_w4_smollm2-135m"]
     assert by["fast_llama-1b_bs1"]["status"] == "skipped" and "CUDA" in by["fast_llama-1b_bs1"]["reason"]
     assert by["runtime_kernels"]["status"] == "skipped"
     bench = by["llmc_llama-1b_bs1"]
@@ -42,6 +42,9 @@ def test_suite_small_on_cpu(tmp_path, capsys):
         assert (out / f"{label}.log").read_text().startswith("$ ")
     assert "llama-1b bs1" in printed and "serving load: 8 requests" in printed
     assert "skipped runtime_kernels: needs CUDA" in printed
+    w4 = by["compile_w4_smollm2-135m"]["result"]["passes"][0]
+    assert w4["name"] == "quant" and w4["seconds"] > 0 and (out / "w4_compile" / "model.safetensors").exists()
+    assert "W4 compile (awq+gptq, 128 windows) of preset:tiny-llama: quant pass" in printed
 
 
 def test_records_of_failures_limits_and_deadline(tmp_path):
