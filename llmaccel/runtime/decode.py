@@ -201,25 +201,12 @@ class DecodeRunner:
 
     def warm_keys(self, modes, context: int) -> list[tuple]:
         """(batch, width, mode, -1) for every batch bucket and every width that rows of requests
-        within `context` tokens take, largest first. A group runs as many sub-steps as the row
+        within `context` tokens take, largest first (a smaller graph reuses the pool's memory
+        that a larger one's capture freed): what LLM.warmup captures. A group runs as many sub-steps as the row
         with the most tokens left wants: a row with one token left (at position context - 2)
         has its table grown by up to MAX_STEPS tokens, past the context."""
         top = self.bucket(1, -(-(context - 2 + MAX_STEPS) // self.cache.block_size))[1]
         return [(B, W, m, -1) for m in modes for B in self.buckets[::-1] for W in self.widths() if W <= top]
-
-    def warmup(self, context: int, modes=WARM_MODES, bar=None) -> int:
-        """Compile and capture the step of every batch bucket at every width up to `context`
-        tokens in `modes` now, so that no step of a load within that context pays for a shape's
-        first use; how many shapes it took. Largest first: a smaller graph reuses the pool's
-        memory that a larger one's capture freed."""
-        if not self.capture:
-            return 0
-        keys = self.warm_keys(modes, context)
-        for key in keys:
-            self._graph(key)
-            if bar is not None:
-                bar.update(1)
-        return len(keys)
 
     def _fn(self, B: int, mode: str, compiled: bool = True):
         """The sub-step: the forward (compiled by Inductor when asked: the glue between kernels
@@ -238,7 +225,8 @@ class DecodeRunner:
             self.fns[(kind, compiled)] = fwd
         return lambda buf: _advance(buf, fwd(buf), mode)
 
-    def _graph(self, key):
+    def graph(self, key):
+        """The graph, buffers and sub-step of a (batch, width, mode, top) shape, captured on first use."""
         hit = self.graphs.get(key)
         if hit is not None:
             return hit
@@ -278,7 +266,7 @@ class DecodeRunner:
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
-        g, buf, fn = self._graph((*shape, mode, top))
+        g, buf, fn = self.graph((*shape, mode, top))
         self._fill(buf, rows, tables)
         grp = Group(g, buf, fn, len(rows), n_steps, lens)
         self._replay(grp)

@@ -119,7 +119,7 @@ class StepGraphs:
         key = self.shape(items, want)
         if key is None or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
             return None
-        g, buf, fn = self._graph(key)
+        g, buf, fn = self.graph(key)
         self._fill(buf, items, want)
         if g is None:
             fn()
@@ -128,20 +128,9 @@ class StepGraphs:
             self.replays += 1
         return buf.logits[: sum(want)]
 
-    def warmup(self, bar=None) -> int:
-        """Capture the steps of a lone prompt of every token bucket started at position 0 (its
-        tokens filling the bucket or not); how many shapes it took (bar: a progress bar)."""
-        if not self.capture:
-            return 0
-        keys = self.warm_keys()
-        for key in keys:
-            self._graph(key)
-            if bar is not None:
-                bar.update(1)
-        return len(keys)
-
     def warm_keys(self) -> list[tuple[int, int, int]]:
-        """warmup's shapes, largest first (a smaller graph reuses the memory a larger one freed)."""
+        """A lone prompt's shapes from position 0 of every token bucket (its tokens filling the
+        bucket or not), largest first: what LLM.warmup captures."""
         bs, keys, N = self.cache.block_size, [], MIN_TOKENS
         while N <= self.max_tokens and len(keys) + 2 <= self.max_graphs:
             W = pow2_at_least(-(-N // bs), MIN_WIDTH)
@@ -149,7 +138,8 @@ class StepGraphs:
             N *= 2
         return keys[::-1]
 
-    def _graph(self, key):
+    def graph(self, key):
+        """The graph, buffers and step of a (tokens, sequences, width) shape, captured on first use."""
         hit = self.graphs.get(key)
         if hit is not None:
             return hit

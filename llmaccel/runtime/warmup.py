@@ -57,13 +57,15 @@ def warm_up(llm, context: int, progress: bool) -> dict:
     t0 = time.perf_counter()
     context = min(context, llm.cfg.max_position)
     capture = llm.runner is not None and llm.runner.capture
-    total = len(llm.steps.warm_keys()) if llm.steps is not None else 0
-    if capture:
-        total += len(llm.runner.warm_keys(WARM_MODES, context)) + len(eager_warm_steps(context))
-    with tqdm(total=total, desc="warming up step shapes", unit="shape", file=sys.stderr,
-              disable=not progress or total == 0) as bar:
-        n = llm.runner.warmup(context, bar=bar) if llm.runner is not None else 0
-        n += llm.steps.warmup(bar) if llm.steps is not None else 0
+    shapes = [(llm.runner, k) for k in llm.runner.warm_keys(WARM_MODES, context)] if capture else []
+    if llm.steps is not None and llm.steps.capture:
+        shapes += [(llm.steps, k) for k in llm.steps.warm_keys()]
+    eager = len(eager_warm_steps(context)) if capture else 0
+    with tqdm(total=len(shapes) + eager, desc="warming up step shapes", unit="shape", file=sys.stderr,
+              disable=not progress or not shapes) as bar:
+        for runner, key in shapes:
+            runner.graph(key)
+            bar.update(1)
         if capture:  # the eager steps' kernels too
-            n += warm_eager_steps(llm.gm, llm.cache, llm.cache.num_blocks - 1, context, bar)
-    return {"shapes": n, "seconds": round(time.perf_counter() - t0, 3)}
+            warm_eager_steps(llm.gm, llm.cache, llm.cache.num_blocks - 1, context, bar)
+    return {"shapes": len(shapes) + eager, "seconds": round(time.perf_counter() - t0, 3)}
