@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmaccel.serve.loadtest import LoadConfig, LoadTest, serve_subprocess  # noqa: E402
+from llmaccel.serve.metrics import STEP_COUNTERS  # noqa: E402
 
 
 SHAPE = {"prompt_len": (128, 1024), "max_tokens": (128, 512), "vocab": 32000}  # --small shrinks it
@@ -121,7 +122,7 @@ def offline(src: str, n: int, device: str) -> dict:
 
     prompts, params = requests(load_config("-", n))
     timed(prompts, params)
-    keys = ("steps", "eager_steps", "eager_tokens", "decode_steps", "decode_row_steps")
+    keys = ("steps", *STEP_COUNTERS)
     m0 = llm.metrics()
     wall, toks = timed(prompts, params)
     m1 = llm.metrics()

@@ -33,6 +33,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmaccel.serve.metrics import STEP_COUNTERS
+
 
 @dataclass
 class LoadConfig:
@@ -284,8 +286,7 @@ class LoadTest:
                        "busy_s": round(delta("llmaccel_engine_busy_seconds_total"), 3),
                        "graphs_captured": delta("llmaccel_cuda_graphs_captured_total"),
                        "graph_capture_s": round(delta("llmaccel_cuda_graph_capture_seconds_total"), 3),
-                       **{k: delta(f"llmaccel_engine_{k}_total")
-                          for k in ("eager_steps", "eager_tokens", "decode_steps", "decode_row_steps")}},
+                       **{k: delta(f"llmaccel_engine_{k}_total") for k in STEP_COUNTERS}},
             "problems": [f"{o.kind}: {o.problem}" for o in outs if not o.ok][:10],
             "checks": checks, "ok": all(checks.values()),
         }

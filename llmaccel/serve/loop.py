@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.sampling import SamplingParams
+from llmaccel.serve.metrics import STEP_COUNTERS
 from llmaccel.runtime.sequence import Sequence
 
 log = logging.getLogger("llmaccel.serve")
@@ -361,7 +362,7 @@ class EngineCore:
                               generated_tokens=m["generated_tokens"], steps=m["steps"],
                               busy_s=self._busy, graphs_captured=m["graphs_captured"],
                               graph_capture_s=m["graph_capture_s"],
-                              **{k: m[k] for k in ("decode_steps", "decode_row_steps", "eager_steps", "eager_tokens")}))
+                              **{k: m[k] for k in STEP_COUNTERS}))
 
 
 def model_facts(llm) -> dict:

@@ -10,6 +10,11 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+# the engine's step counters (LLM.metrics() keys) the loop publishes, exported as
+# llmaccel_engine_<key>_total; the load test reads their change over a run
+STEP_COUNTERS = ("eager_steps", "eager_tokens", "decode_steps", "decode_row_steps")
+
+
 class _EngineCollector:
     """Engine figures read at scrape time from the loop's latest snapshot."""
 
