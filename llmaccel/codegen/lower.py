@@ -193,7 +193,7 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 # engine and are tested against the reference executor in tests/runtime.
 LOWERING = {
     "custom-ops": "IR ops on the kernels' custom ops, torch.ops.llmaccel.<name> (traced aten forms "
-                  "on the CPU); lower(select=...)",
+                  "on the CPU); lower(select=...); the norms only in the engine's eager steps",
     "rope-tables": "rope on cos/sin tables of max_position rows, gathered by position; lower()",
     "gemv": "one row on CUDA: linears as fused Triton GEMVs with the norm prologue and the "
             "SiLU-mul / residual epilogues; lower(linear='gemv'), the runtime's decode steps",
@@ -216,9 +216,16 @@ class LowerReport:
     cpu_traced: dict[str, int] = field(default_factory=dict)  # op -> nodes on a traced CPU form
 
 
+# IR ops whose custom op only the eager steps take (select="eager"): in a compiled step Inductor
+# fuses them with their neighbours, and the GEMV rewrites read their IR nodes
+EAGER_ONLY = frozenset({"rms_norm", "add_rms_norm"})
+
+
 def _wanted(name: str, select) -> bool:
-    if select == "all":
+    if select == "eager":
         return True
+    if select == "all":
+        return name not in EAGER_ONLY
     if select in (None, "none"):
         return False
     return name in select
@@ -229,7 +236,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
           prepared: dict | None = None) -> tuple[torch.fx.GraphModule, LowerReport]:
     """A lowered copy of `gm` (weights shared, graph copied); `gm` itself is left unchanged.
 
-    select: "all", "none" or a collection of IR op names to map to custom ops.
+    select: "all", "none" or a collection of IR op names to map to custom ops; "eager": all and
+        the EAGER_ONLY ops too (a graph run uncompiled, as the engine's prefill steps).
     linear: "mm" keeps F.linear for the remaining linears; "rows" uses `linear_rows`; "gemv" the
         fused Triton GEMVs (`gemv_rewrites`).
     max_len: positions the rope tables cover.

@@ -71,7 +71,7 @@ class LLM(DecodeSteps):
         # prefill, mixed and verification steps: the runtime graph lowered to the project's
         # kernels (int4 / int8 linears, ...), as the decode steps are; GEMMs for the linears
         rt = runtime_graph(self.model.gm)
-        self.gm, _ = lower(rt, max_len=self.cfg.max_position, select="all", linear="mm")
+        self.gm, _ = lower(rt, max_len=self.cfg.max_position, select="eager", linear="mm")
         self.gm.selects_rows = getattr(rt, "selects_rows", False)
         layers = attention_layers(self.model.gm)
         if not layers:

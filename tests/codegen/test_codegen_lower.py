@@ -25,18 +25,6 @@ def _(gate, up):
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op(f"{NS}::add_rms_norm", mutates_args=())
-def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    a, b = ops.add_rms_norm(x, residual, weight, eps=eps)
-    return a.clone(), b.clone()
-
-
-@_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
 @torch.library.custom_op(f"{NS}::linear", mutates_args=())
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # no bias: must be rejected
     return ops.linear(x, weight)
@@ -51,7 +39,8 @@ def test_custom_ops_replace_matching_nodes():
     m = compile("preset:tiny-llama", ["fuse"], progress=False)
     low, rep = lower(m.gm, max_len=32, select="all", namespace=NS)
     L = m.config.n_layers
-    assert rep.custom == {"silu_mul": L, "add_rms_norm": 2 * L}
+    # the norms are EAGER_ONLY: select="all" (compiled steps) leaves them to Inductor
+    assert rep.custom == {"silu_mul": L}
     assert "linear" in rep.rejected  # the IR linear passes a bias argument the schema lacks
     targets = {n.target for n in low.graph.nodes if n.op == "call_function"}
     assert torch.ops.llmaccel_test.silu_mul in targets and ops.silu_mul not in targets
