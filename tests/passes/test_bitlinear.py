@@ -172,8 +172,11 @@ def test_heal_finish_equals_non_heal_pass():
     assert st["bitlinear"]["bits_per_weight"] < 3 and BITLINEAR.heal_finish(trained.gm) == {}
     out = trained.logits(ids)
     assert torch.equal(out, plain.logits(ids))
-    # the training form's forward is the inference form up to fp32 rounding
-    assert (train_logits - out).abs().max() <= 1e-3 * out.abs().max()
+    # the training form's forward is the inference form up to fp32 rounding, which can move an
+    # activation that sits on an int8 rounding boundary by one code: that token's logits then
+    # differ by ~0.5% (measured: one position of 22 at the suite's seed), the others do not
+    per_pos = (train_logits - out).abs().amax(-1) / out.abs().max()
+    assert (per_pos <= 1e-5).float().mean() >= 0.9 and per_pos.max() <= 1e-2, per_pos
 
 
 def test_warmup_schedule_ramps_quantization():
