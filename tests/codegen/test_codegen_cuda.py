@@ -5,7 +5,6 @@ import torch
 import torch._dynamo
 
 from llmaccel import LLM
-from llmaccel.compiler import executor
 from llmaccel.compiler.pipeline import compile
 from llmaccel.sampling import SamplingParams
 
@@ -16,8 +15,8 @@ W4 = {"quant": {"method": "rtn", "bits": 4, "group_size": 32, "lm_head": True}}
 
 
 def _reference(m, prompts, params=GREEDY):
-    return [list(executor.generate_ids(m.gm, p, params, eos_ids=set(), max_len=512,
-                                       dtype=torch.float32, device="cuda")) for p in prompts]
+    """The reference executor's tokens (m is compiled in fp32 on the GPU)."""
+    return [list(m.generate_ids(p, params)) for p in prompts]
 
 
 @pytest.mark.parametrize("passes,opts", [(["fuse"], {}), (["fuse", "quant"], W4)], ids=["fuse", "w4"])
