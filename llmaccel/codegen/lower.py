@@ -216,16 +216,11 @@ class LowerReport:
     cpu_traced: dict[str, int] = field(default_factory=dict)  # op -> nodes on a traced CPU form
 
 
-# IR ops whose custom op only the eager steps take (select="eager"): in a compiled step Inductor
-# fuses them with their neighbours, and the GEMV rewrites read their IR nodes
-EAGER_ONLY = frozenset({"rms_norm", "add_rms_norm"})
-
-
 def _wanted(name: str, select) -> bool:
     if select == "eager":
         return True
     if select == "all":
-        return name not in EAGER_ONLY
+        return not OPS[name].eager_only
     if select in (None, "none"):
         return False
     return name in select
@@ -237,7 +232,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     """A lowered copy of `gm` (weights shared, graph copied); `gm` itself is left unchanged.
 
     select: "all", "none" or a collection of IR op names to map to custom ops; "eager": all and
-        the EAGER_ONLY ops too (a graph run uncompiled, as the engine's prefill steps).
+        the op table's eager_only ops too (a graph run uncompiled, as the engine's prefill steps).
     linear: "mm" keeps F.linear for the remaining linears; "rows" uses `linear_rows`; "gemv" the
         fused Triton GEMVs (`gemv_rewrites`).
     max_len: positions the rope tables cover.

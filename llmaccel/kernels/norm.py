@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from llmaccel import ops
-from llmaccel.kernels import registered
+from llmaccel.kernels import registered, unit_stride
 
 try:  # kernels are optional: every non-CUDA path works without triton
     import triton
@@ -50,11 +50,14 @@ if triton is not None:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:  # rows not evenly strided
-        return x.reshape(-1, x.shape[-1])
+    """x as (rows, D) with unit column stride: a view where the rows are evenly strided."""
+    return unit_stride(x).reshape(-1, x.shape[-1])
+
+
+def _dtypes(x, residual, weight) -> tuple[torch.dtype, torch.dtype]:
+    """(the residual sum's dtype, the output's), as the reference's type promotion gives them."""
+    s = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return s, (s if weight is None else torch.promote_types(weight.dtype, s))
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -65,8 +68,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not fit rows of {D}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
-    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = s_dtype if weight is None else torch.promote_types(weight.dtype, s_dtype)
+    s_dtype, out_dtype = _dtypes(x, residual, weight)
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s = torch.empty(x.shape, dtype=s_dtype, device=x.device) if residual is not None else out
@@ -85,23 +87,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 if not registered("rms_norm"):
     @torch.library.custom_op("llmaccel::rms_norm", mutates_args=())
     def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], *, eps: float) -> torch.Tensor:
-        return ops.rms_norm(x, weight, eps=eps).clone()
+        return ops.rms_norm(x, weight, eps=eps)  # a new tensor: x * rsqrt(...) never aliases x
 
     @rms_norm.register_fake
     def _(x, weight, *, eps):
-        dt = x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
-        return x.new_empty(x.shape, dtype=dt)
+        return x.new_empty(x.shape, dtype=_dtypes(x, None, weight)[1])
 
     @torch.library.custom_op("llmaccel::add_rms_norm", mutates_args=())
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], *,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, s = ops.add_rms_norm(x, residual, weight, eps=eps)
-        return out.clone(), s.clone()
+        return ops.add_rms_norm(x, residual, weight, eps=eps)  # both new tensors
 
     @add_rms_norm.register_fake
     def _(x, residual, weight, *, eps):
-        sd = torch.promote_types(x.dtype, residual.dtype)
-        dt = sd if weight is None else torch.promote_types(weight.dtype, sd)
+        sd, dt = _dtypes(x, residual, weight)
         return x.new_empty(x.shape, dtype=dt), x.new_empty(x.shape, dtype=sd)
 
     if triton is not None:

@@ -14,6 +14,9 @@ table instead of matching module paths or names.
               its name in the namespace it is given, when one is registered; rope is lowered to
               tables first, attention ops go through the runtime's contexts)
     context   takes an attention context as its fourth argument (AttentionContext below)
+    eager_only  its custom op is taken only by graphs run uncompiled (lower(select="eager"): the
+              engine's prefill and mixed steps); a compiled step keeps the reference, which
+              Inductor fuses with its neighbours and the GEMV rewrites read
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class OpSpec:
     made_by: str | None = None
     kernel: bool = False
     context: bool = False
+    eager_only: bool = False
 
     @property
     def name(self) -> str:
@@ -58,9 +62,9 @@ class OpSpec:
 _SPECS = [
     OpSpec(ops.embedding, "embedding"),
     OpSpec(ops.linear, "linear"),
-    OpSpec(ops.rms_norm, "norm"),
+    OpSpec(ops.rms_norm, "norm", kernel=True, eager_only=True),
     OpSpec(ops.layer_norm, "norm"),
-    OpSpec(ops.add_rms_norm, "norm", made_by="fuse"),
+    OpSpec(ops.add_rms_norm, "norm", made_by="fuse", kernel=True, eager_only=True),
     OpSpec(ops.add_layer_norm, "norm", made_by="fuse"),
     OpSpec(ops.rope, "rope"),
     OpSpec(ops.attention, "attention", context=True),

@@ -39,7 +39,7 @@ def test_custom_ops_replace_matching_nodes():
     m = compile("preset:tiny-llama", ["fuse"], progress=False)
     low, rep = lower(m.gm, max_len=32, select="all", namespace=NS)
     L = m.config.n_layers
-    # the norms are EAGER_ONLY: select="all" (compiled steps) leaves them to Inductor
+    # the norms are eager_only (ops/table.py): select="all" (compiled steps) leaves them to Inductor
     assert rep.custom == {"silu_mul": L}
     assert "linear" in rep.rejected  # the IR linear passes a bias argument the schema lacks
     targets = {n.target for n in low.graph.nodes if n.op == "call_function"}

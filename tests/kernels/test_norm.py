@@ -21,10 +21,10 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3,
 
 
 def _inputs(shape, dtype, device, weighted):
-    g = torch.Generator(device="cpu").manual_seed(hash((shape, str(dtype), weighted)) % 2**31)
-    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
-    r = torch.randn(shape, generator=g).to(dtype).to(device)
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(device) if weighted else None
+    """Fresh random inputs (from the seed tests/conftest.py sets for each test)."""
+    x = (torch.randn(shape) * 3).to(dtype).to(device)
+    r = torch.randn(shape).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).to(device) if weighted else None
     return x, r, w
 
 
