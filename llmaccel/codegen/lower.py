@@ -24,7 +24,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.ir import set_weight, weight_of
-from llmaccel.ops.rope import rope_inv_freq
+from llmaccel.ops.rope import rope_inv_freq, rope_table
 from llmaccel.ops.table import OPS, spec_of
 from llmaccel.codegen.kernel_ops import accepts, custom_op, load_kernel_modules, retarget
 from llmaccel.codegen.gemv_rewrites import gemv_rewrites, int4_gemv_weights
@@ -84,18 +84,6 @@ def _to_cpu_form(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
         if not a.users:
             new.graph.erase_node(a)
     return True
-
-
-def rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *,
-               head_dim: int) -> torch.Tensor:
-    """ops.rope with cos/sin (max_len, head_dim) looked up by position; same values as the op."""
-    B, T, _ = x.shape
-    c = cos[positions].to(x.dtype)[:, :, None, :]
-    s = sin[positions].to(x.dtype)[:, :, None, :]
-    h = x.view(B, T, -1, head_dim)
-    x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
-    rot = torch.cat((-x2, x1), dim=-1)
-    return (h * c + rot * s).reshape(B, T, -1)
 
 
 def rope_tables(head_dim: int, theta: float, scaling: dict | None, max_len: int, device):
@@ -193,8 +181,9 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 # engine and are tested against the reference executor in tests/runtime.
 LOWERING = {
     "custom-ops": "IR ops on the kernels' custom ops, torch.ops.llmaccel.<name> (traced aten forms "
-                  "on the CPU); lower(select=...); the norms only in the engine's eager steps",
-    "rope-tables": "rope on cos/sin tables of max_position rows, gathered by position; lower()",
+                  "on the CPU); lower(select=...); the norms and SiLU-mul only in the engine's eager steps",
+    "rope-tables": "rope on cos/sin tables of max_position rows, gathered by position; lower(); in "
+                   "the engine's eager steps on a GPU one kernel a rotation (llmaccel::rope_table)",
     "gemv": "one row on CUDA: linears as fused Triton GEMVs with the norm prologue and the "
             "SiLU-mul / residual epilogues; lower(linear='gemv'), the runtime's decode steps",
     "rows": "linear_rows: small linears as row products a compiled step fuses; lower(linear='rows')",
@@ -277,6 +266,13 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             node.args = (x, c, s, positions)
             node.kwargs = {"head_dim": node.kwargs["head_dim"]}
             rep.rope += 1
+            # uncompiled steps on a GPU: one kernel per rotation (kernels/pointwise.py) for the
+            # reference's eight aten kernels; compiled steps keep the reference, which Inductor
+            # fuses and the decode steps' fuse_rope folds into the attention
+            op = custom_op(namespace, "rope_table") if select == "eager" and device.type != "cpu" else None
+            if op is not None:
+                retarget(node, op)
+                rep.custom["rope_table"] = rep.custom.get("rope_table", 0) + 1
             continue
         # ops with a lowering of their own (attention takes a Python context, rope the tables
         # above) never map to a custom op by name; the others do wherever one is registered

@@ -121,10 +121,11 @@ if HAS_TRITON:
                     nm = tl.maximum(m, tl.max(x, 0))
                     z = z * tl.exp(m - nm) + tl.sum(tl.where(msk, tl.exp(x - nm), 0.0), 0)
                     m = nm
-        else:
-            best_i = tl.load(irow + B + row)
-            m = tl.load(frow + row)
-            z = tl.load(frow + B + row)
+        else:  # the casts here and below: without RESUME irow / frow are placeholders of another
+            # dtype, and Triton types both branches of a test of st (it does not fold st == 2)
+            best_i = tl.load(irow + B + row).to(tl.int32)
+            m = tl.load(frow + row).to(tl.float32)
+            z = tl.load(frow + B + row).to(tl.float32)
         tok = best_i
         if (not GREEDY) and ((t > 0) & (st != 0)):
             k = tl.load(k_ptr + row)
@@ -167,11 +168,11 @@ if HAS_TRITON:
             done = tl.full([], 0, tl.int32)
             if st == 1:  # rounds 0 .. R0 - 1 were drawn by the chunk kernels: the last one's test
                 s_off = tl.arange(0, BLOCK_S)
-                above = tl.sum(tl.load(part + row * S + s_off, mask=s_off < S, other=0.0), 0)
+                above = tl.sum(tl.load(part + row * S + s_off, mask=s_off < S, other=0.0).to(tl.float32), 0)
                 ok = (top_p >= 1.0) | (above < top_p * zk)
-                tok = tl.where(ok, tl.load(irow + 2 * B + row), tok)
+                tok = tl.where(ok, tl.load(irow + 2 * B + row).to(tl.int32), tok)
                 done = ok.to(tl.int32)
-                low = tl.load(frow + 2 * B + row)
+                low = tl.load(frow + 2 * B + row).to(tl.float32)
                 mass = above
                 r = tl.full([], 0, tl.int32) + R0
             while (r < R) & (done == 0):

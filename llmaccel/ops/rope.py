@@ -46,3 +46,15 @@ def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
     x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
     rot = torch.cat((-x2, x1), dim=-1)
     return (h * cos + rot * sin).reshape(B, T, -1)
+
+
+def rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *,
+               head_dim: int) -> torch.Tensor:
+    """ops.rope with cos/sin (max_len, head_dim) looked up by position; same values as the op."""
+    B, T, _ = x.shape
+    c = cos[positions].to(x.dtype)[:, :, None, :]
+    s = sin[positions].to(x.dtype)[:, :, None, :]
+    h = x.view(B, T, -1, head_dim)
+    x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (h * c + rot * s).reshape(B, T, -1)

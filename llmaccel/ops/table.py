@@ -68,7 +68,7 @@ _SPECS = [
     OpSpec(ops.add_layer_norm, "norm", made_by="fuse"),
     OpSpec(ops.rope, "rope"),
     OpSpec(ops.attention, "attention", context=True),
-    OpSpec(ops.silu_mul, "activation"),
+    OpSpec(ops.silu_mul, "activation", kernel=True, eager_only=True),
     OpSpec(ops.gelu_mul, "activation"),
     OpSpec(ops.relu_mul, "activation", made_by="relu"),
     OpSpec(ops.gelu, "activation"),

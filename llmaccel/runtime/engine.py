@@ -1,6 +1,7 @@
 """The LLM API: continuous batching over a paged KV cache, sampling, streaming, speculation."""
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Iterator
 
@@ -152,6 +153,10 @@ class LLM(DecodeSteps):
 
     def _default_tokens(self, bpt: int, max_batched: int, fraction: float) -> int:
         if str(self.device).startswith("cuda"):
+            # an engine its caller dropped holds its cache until the cycle collector runs (its
+            # runners and graphs refer to each other): without this, a second LLM in a process
+            # would count the first one's cache against its own budget
+            gc.collect()
             total = torch.cuda.get_device_properties(self.device).total_memory
             headroom = (2 << 30) + max_batched * self.cfg.intermediate_size * 16
             # allocated, not reserved: memory a previous engine freed is still reserved by the

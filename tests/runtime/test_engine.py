@@ -241,6 +241,17 @@ def test_cuda_graph_decode_matches_reference_executor(prompts):
     assert max(b for b, *_ in graphs.runner.graphs) >= 32
 
 
+@pytest.mark.cuda
+def test_a_dropped_engine_gives_its_memory_to_the_next():
+    """Each LLM takes most of the GPU for its cache; one its caller dropped (a cycle of runners
+    and graphs) must not hold it against the next one, without any reset by the caller."""
+    m = load("preset:tiny-llama", dtype=torch.float32, device="cuda")
+    for _ in range(3):
+        llm = LLM(m)
+        assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+        del llm
+
+
 class _Replay:
     """A stand-in for a captured CUDA graph on a CPU: replay() runs the step again."""
 
