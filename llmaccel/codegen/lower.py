@@ -280,7 +280,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             continue
         # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
         # they are (their CPU implementation is the reference)
-        form = cpu_forms().get(name) if device.type == "cpu" and not (
+        # (the CPU forms stand for the project's own custom ops: another namespace gets its ops)
+        form = cpu_forms().get(name) if device.type == "cpu" and namespace == "llmaccel" and not (
             linear == "gemv" and int4_gemv_weights(node)) else None
         if form is not None and _to_cpu_form(new, node, form, rep, prepared):
             rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1

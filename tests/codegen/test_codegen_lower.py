@@ -37,9 +37,11 @@ def _run(gm, ids, batch, cache=None):
 
 def test_custom_ops_replace_matching_nodes():
     m = compile("preset:tiny-llama", ["fuse"], progress=False)
-    low, rep = lower(m.gm, max_len=32, select="all", namespace=NS)
     L = m.config.n_layers
-    # the norms are eager_only (ops/table.py): select="all" (compiled steps) leaves them to Inductor
+    # silu_mul and the norms are eager_only (ops/table.py): select="all" (compiled steps) leaves
+    # them to Inductor; select="eager" maps every op whose custom op the namespace registers
+    assert lower(m.gm, max_len=32, select="all", namespace=NS)[1].custom == {}
+    low, rep = lower(m.gm, max_len=32, select="eager", namespace=NS)
     assert rep.custom == {"silu_mul": L}
     assert "linear" in rep.rejected  # the IR linear passes a bias argument the schema lacks
     targets = {n.target for n in low.graph.nodes if n.op == "call_function"}
