@@ -65,6 +65,10 @@ class DecodeSteps:
         a group; a row known to end (max_tokens, abort) becomes a padding row."""
         if self.bm.copies or self.draft is not None or self._admissible():
             return None  # the next step copies blocks, lets the draft propose, or admits
+        rows = {id(s) for s in seqs}
+        if any(id(s) not in rows for s in self.sched.running):
+            return None  # a running sequence outside the group (one whose token an eager step
+            # read after the group was scheduled) waits for no more than this group
         k, bm = grp.n, self.bm
         cont = [s for s in seqs if not s.finished and self._group_size([s], k) > 0]
         if not cont:

@@ -16,18 +16,17 @@ from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import DecodeRunner
 from llmaccel.runtime.decode_steps import DecodeSteps
 from llmaccel.runtime.detokenize import IncrementalDetokenizer, find_stop
+from llmaccel.runtime.eager_steps import EagerSteps
 from llmaccel.runtime.graph import runtime_graph
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
-from llmaccel.runtime.kivi_cache import (KiviPagedCache, build_kivi_step, kivi_metrics, kivi_spec,
-                                         pool_sizes as kivi_pool_sizes)
-from llmaccel.runtime.kv_cache import PagedKVCache, build_step
+from llmaccel.runtime.kivi_cache import KiviPagedCache, kivi_metrics, kivi_spec, pool_sizes as kivi_pool_sizes
+from llmaccel.runtime.kv_cache import PagedKVCache
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
-from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source, verify
+from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source
 from llmaccel.runtime.step_graphs import StepGraphs
 from llmaccel.runtime.warmup import warm_up
-from llmaccel.sampling import (SamplingParams, kernel_check, logprob_pairs, logprobs_wanted,
-                               sample_mode, sample_rows, token_logprobs)
+from llmaccel.sampling import SamplingParams, kernel_check
 
 CPU_CACHE_BYTES = 512 << 20
 
@@ -37,12 +36,7 @@ def _kind(x) -> str:
         f"{type(x).__name__} of {type(x[0]).__name__}"
 
 
-def _lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
-    """token_logprobs' tensors as per-row (logprob, [(id, logprob)]) on the host."""
-    return logprob_pairs(lp.tolist(), *(() if top is None else (top[0].tolist(), top[1].tolist())))
-
-
-class LLM(DecodeSteps):
+class LLM(DecodeSteps, EagerSteps):
     def __init__(self, source, *, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
@@ -128,6 +122,7 @@ class LLM(DecodeSteps):
             name = f"self:{self.self_kind}" if speculative.startswith("self") else speculative
             self.draft = ModelDraft(runtime_graph(draft_model.gm), dcache, shared=False,
                                     device=self.device, name=name)
+        self._eager_pending = None  # an eager step whose tokens the next step reads (HeldStep)
         self._pending = None  # (rows, the decode group launched for them): the next step's
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, spec_proposed=0,
                           spec_accepted=0, spec_verifies=0, spec_emitted=0, kv_blocks_peak=0,
@@ -332,7 +327,15 @@ class LLM(DecodeSteps):
                 self.stats["steps"] += 1
                 return
             # the pipeline ended (rows ended, a request to admit): this step schedules too
-        batch, too_long = self.sched.schedule()
+        # an eager step whose tokens are not read yet (eager_steps.py): this step is scheduled
+        # without the sequences waiting for them and launched before they are read
+        held, self._eager_pending = self._eager_pending, None
+        try:
+            batch, too_long = self._schedule(held)
+        except BaseException:
+            if held is not None:
+                self._apply(held)
+            raise
         for seq in too_long:  # alone it would not fit in the whole cache
             seq.finish_reason = "length"
         if self.bm.copies:
@@ -341,11 +344,19 @@ class LLM(DecodeSteps):
                 self.draft.cache.copy_blocks(self.bm.copies)
             self.bm.copies.clear()
         if not batch:
+            if held is not None:  # nothing runs beside them: read the tokens now
+                self._apply(held)
+                return
             if self.sched.has_work() and not too_long:
                 raise RuntimeError("scheduler made no progress")  # a bug, never a user error
             return
-        spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
-        proposals = self.draft.propose(spec) if spec else {}
+        try:
+            spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
+            proposals = self.draft.propose(spec) if spec else {}
+        except BaseException:
+            if held is not None:
+                self._apply(held)
+            raise
         plan = []
         for seq, q in batch:
             nc = seq.num_computed
@@ -359,97 +370,12 @@ class LLM(DecodeSteps):
         plan.sort(key=lambda p: len(p[1]) != 1)
         self.stats["steps"] += 1
         if self.runner is not None and not proposals and all(len(t) == 1 and nl == 1 for _, t, nl in plan):
+            if held is not None:  # the decode rows' group reads its tokens at once anyway
+                self._apply(held)
+                held = None
             if self._decode([seq for seq, _, _ in plan]):
                 return
-        self._eager_step(plan, proposals)
-
-    def _eager_step(self, plan, proposals) -> None:
-        """A step with prefill chunks or speculative proposals: one forward of the runtime graph
-        over the flattened batch, sampled with the decode steps' sampler."""
-        self.stats["eager_steps"] += 1
-        self.stats["eager_tokens"] += sum(len(toks) for _, toks, _ in plan)
-        items, want = [], []
-        for seq, toks, nl in plan:
-            items.append((seq, toks) if self.kivi else (seq.block_table, seq.num_computed, toks))
-            want.append(nl)
-        logits = self.steps.run(items, want) if self.steps is not None else None
-        if logits is None:
-            step_inputs = build_kivi_step if self.kivi else build_step
-            ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
-            logits = self.gm(ids, pos, ctx)[0]
-            if self.kivi:
-                for seq, _, _ in plan:
-                    self.bm.release_aged(seq)
-            if not getattr(self.gm, "selects_rows", False):
-                logits = logits.index_select(0, ctx.logits_indices)
-        sampled = self._sample(logits, plan, proposals)
-        r = 0
-        for seq, toks, nl in plan:
-            rows = slice(r, r + nl)
-            r += nl
-            if nl == 0:
-                seq.num_computed += len(toks)
-            elif seq.id in proposals and len(toks) > 1:
-                prop, qprobs = proposals[seq.id]
-                greedy = logits[rows].argmax(-1).tolist() if seq.params.temperature == 0 else None
-                new = verify(logits[rows], prop, qprobs, seq.params, seq.generator, greedy)
-                self._spec_stats(seq, len(prop), len(new) - 1)
-                seq.num_computed += len(new)  # the fed last token and the accepted proposals
-                seq.draft_computed = min(seq.draft_computed, seq.num_computed)
-                self.bm.trim(seq, seq.num_computed)
-                lps = None
-                if seq.logprobs is not None:  # row j's logits precede new token j
-                    lps = _lp_pairs(*token_logprobs(logits[rows][: len(new)],
-                                                    torch.tensor(new, device=logits.device),
-                                                    seq.params.logprobs))
-                self._append(seq, new, lps)
-            else:
-                seq.num_computed += len(toks)
-                tok, lp = sampled[r - 1]
-                self._append(seq, [tok], None if lp is None else [lp])
-            self.bm.register(seq)
-        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)
-        for seq, _, _ in plan:
-            if seq.finished:
-                self.sched.finish(seq)
-
-    def _sample(self, logits, plan, proposals) -> dict[int, tuple]:
-        """{logits row: (next token, (logprob, top pairs) or None)} for the rows that end a sequence's input without speculation,
-        drawn in one batched call (seeded by request and position, as the decode steps draw)."""
-        rows, seqs, r = [], [], 0
-        for seq, toks, nl in plan:
-            r += nl
-            if nl == 1 and not (seq.id in proposals and len(toks) > 1):
-                rows.append(r - 1)
-                seqs.append(seq)
-        if not rows:
-            return {}
-        dev = logits.device
-        ps = [s.params for s in seqs]
-        sel = logits[torch.tensor(rows, device=dev)]
-        toks = sample_rows(
-            sel,
-            torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev),
-            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
-            torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
-            torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64, device=dev),
-            sample_mode(ps))
-        top = logprobs_wanted(ps)
-        lps = _lp_pairs(*token_logprobs(sel, toks, top)) if top >= 0 else [None] * len(rows)
-        return dict(zip(rows, zip(toks.tolist(), lps)))
-
-    def _spec_stats(self, seq: Sequence, k: int, accepted: int) -> None:
-        s = self.stats
-        s["spec_proposed"] += k
-        s["spec_accepted"] += accepted
-        s["spec_verifies"] += 1
-        s["spec_emitted"] += accepted + 1
-        # Adapt k per sequence: lengthen after a full acceptance, shorten after a full rejection.
-        if accepted == k:
-            seq.spec_k = min(self.k_max, seq.spec_k + 1)
-        elif accepted == 0:
-            seq.spec_k = max(1, seq.spec_k - 1)
+        self._eager_step(plan, proposals, held)
 
     @torch.inference_mode()  # as step() runs: Dynamo's guards on it hold for later shapes too
     def warmup(self, context: int = 2048, progress: bool = False) -> dict:

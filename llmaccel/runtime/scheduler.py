@@ -79,14 +79,20 @@ class Scheduler:
         left = seq.params.max_tokens - seq.n_output - 1
         return max(0, min(seq.spec_k, left, self.max_model_len - len(seq.token_ids) - 1))
 
-    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    def schedule(self, skip: frozenset = frozenset()) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Returns ([(sequence, tokens to feed)] with single tokens first, [sequences that
-        cannot fit even alone in the cache and so end with finish_reason 'length'])."""
+        cannot fit even alone in the cache and so end with finish_reason 'length']).
+
+        skip: ids of running sequences left out of this step and never preempted by it (their
+        next token is still being computed); they keep their slots and blocks."""
         budget, batch, too_long = self.max_batched, [], []
         unit = self.bm.chunk_unit
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if id(seq) in skip:
+                i += 1
+                continue
             remaining = len(seq.token_ids) - seq.num_computed
             if not self.bm.holds(len(seq.token_ids), seq.n_prompt):
                 self.running.pop(i)
@@ -104,7 +110,9 @@ class Scheduler:
                 if q > 1 and remaining == 1:
                     q = 1  # drop the speculation before preempting anyone
                     continue
-                victim = self.running[-1]
+                victim = next((s for s in reversed(self.running) if id(s) not in skip), None)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 if victim is seq:
                     break
