@@ -94,3 +94,15 @@ def test_gated_activations():
     torch.testing.assert_close(ops.silu_mul(g, u), g * torch.sigmoid(g) * u)
     torch.testing.assert_close(ops.relu_mul(g, u), g.clamp_min(0) * u)
     torch.testing.assert_close(ops.gelu_mul(g, u), F.gelu(g, approximate="tanh") * u)
+
+
+def test_the_op_table_names_each_kernel_module():
+    """Each op's `kernel` is the module of llmaccel.kernels that registers its custom op."""
+    import importlib
+
+    from llmaccel.ops.table import OPS
+    for name, spec in OPS.items():
+        if spec.kernel is None:
+            continue
+        importlib.import_module(f"llmaccel.kernels.{spec.kernel}")
+        assert hasattr(torch.ops.llmaccel, name), (name, spec.kernel)

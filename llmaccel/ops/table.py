@@ -9,14 +9,21 @@ table instead of matching module paths or names.
     ref       the pure-PyTorch reference: the IR node's target
     kind      embedding | linear | norm | norm_linear | rope | attention | activation | head
     made_by   the pass that puts it in a graph (None: capture)
-    kernel    a kernel module of the project registers torch.ops.llmaccel.<name> with the
-              reference's schema (lowering retargets any op without a context to a custom op of
-              its name in the namespace it is given, when one is registered; rope is lowered to
-              tables first, attention ops go through the runtime's contexts)
+    kernel    the module of llmaccel.kernels that registers torch.ops.llmaccel.<name> with the
+              reference's schema, or None (lowering retargets any op without a context to a
+              custom op of its name in the namespace it is given, when one is registered; rope is
+              lowered to tables first, codegen/lower.py, whose eager form is kernels/pointwise.py;
+              attention ops go through the runtime's contexts: runtime/kv_cache.py and
+              runtime/decode.py call kernels/paged_attention.py and paged_rope.py, the KIVI
+              cache kernels/paged_kivi.py)
     context   takes an attention context as its fourth argument (AttentionContext below)
     eager_only  its custom op is taken only by graphs run uncompiled (lower(select="eager"): the
               engine's prefill and mixed steps); a compiled step keeps the reference, which
               Inductor fuses with its neighbours and the GEMV rewrites read
+
+Export to ONNX (export/): an op's translation is `t_<name>` in export/std_ops.py, overridden
+by `g_<name>` in export/genai_ops.py where the GenAI format has a contrib op for it; an op with
+none is refused with the reason export/refusals.py gives (tests/export checks both rules).
 """
 from __future__ import annotations
 
@@ -45,7 +52,7 @@ class OpSpec:
     ref: Callable
     kind: str
     made_by: str | None = None
-    kernel: bool = False
+    kernel: str | None = None
     context: bool = False
     eager_only: bool = False
 
@@ -62,22 +69,22 @@ class OpSpec:
 _SPECS = [
     OpSpec(ops.embedding, "embedding"),
     OpSpec(ops.linear, "linear"),
-    OpSpec(ops.rms_norm, "norm", kernel=True, eager_only=True),
+    OpSpec(ops.rms_norm, "norm", kernel="norm", eager_only=True),
     OpSpec(ops.layer_norm, "norm"),
-    OpSpec(ops.add_rms_norm, "norm", made_by="fuse", kernel=True, eager_only=True),
+    OpSpec(ops.add_rms_norm, "norm", made_by="fuse", kernel="norm", eager_only=True),
     OpSpec(ops.add_layer_norm, "norm", made_by="fuse"),
     OpSpec(ops.rope, "rope"),
     OpSpec(ops.attention, "attention", context=True),
-    OpSpec(ops.silu_mul, "activation", kernel=True, eager_only=True),
+    OpSpec(ops.silu_mul, "activation", kernel="pointwise", eager_only=True),
     OpSpec(ops.gelu_mul, "activation"),
     OpSpec(ops.relu_mul, "activation", made_by="relu"),
     OpSpec(ops.gelu, "activation"),
     OpSpec(ops.lm_head, "head"),
-    OpSpec(quant.linear_int8, "linear", made_by="quant", kernel=True),
-    OpSpec(quant.linear_int4, "linear", made_by="quant", kernel=True),
+    OpSpec(quant.linear_int8, "linear", made_by="quant", kernel="quant_linear_int8"),
+    OpSpec(quant.linear_int4, "linear", made_by="quant", kernel="quant_linear"),
     OpSpec(kvquant.kv_quant_attention, "attention", made_by="kvquant", context=True),
-    OpSpec(bl.bitlinear, "linear", made_by="bitlinear", kernel=True),
-    OpSpec(bl.rms_norm_bitlinear, "norm_linear", made_by="bitlinear", kernel=True),
+    OpSpec(bl.bitlinear, "linear", made_by="bitlinear", kernel="bitlinear"),
+    OpSpec(bl.rms_norm_bitlinear, "norm_linear", made_by="bitlinear", kernel="bitlinear"),
     OpSpec(bl.bitlinear_train, "linear", made_by="bitlinear"),
     OpSpec(bl.rms_norm_bitlinear_train, "norm_linear", made_by="bitlinear"),
     OpSpec(repbn.batch_norm, "norm", made_by="repbn"),
@@ -85,7 +92,7 @@ _SPECS = [
     OpSpec(repbn.repbn_blend, "norm", made_by="repbn"),
     # its kernel (llmaccel::linear_attention) is the whole-sequence form, without a context
     OpSpec(sla.linear_attention, "attention", made_by="sla", context=True),
-    OpSpec(sparse.sparse_down, "linear", made_by="relu", kernel=True),
+    OpSpec(sparse.sparse_down, "linear", made_by="relu", kernel="sparse_down"),
     OpSpec(sparse.relu_glu, "activation", made_by="relu"),
 ]
 

@@ -121,6 +121,14 @@ def test_every_op_of_the_table_is_translated_or_refused_with_a_reason():
         table = translations(fmt)
         missing = [name for name, spec in OPS.items() if spec.ref not in table and spec.ref not in REFUSED]
         assert not missing, (fmt, missing)
+    # where each translation lives, as ops/table.py says: t_<name> (std_ops), g_<name> (genai_ops)
+    from llmaccel.export.genai_ops import GENAI_TRANSLATIONS
+    from llmaccel.export.std_ops import TRANSLATIONS
+    for name, spec in OPS.items():
+        if spec.ref in TRANSLATIONS:
+            assert TRANSLATIONS[spec.ref].__name__ == f"t_{name}", name
+        if spec.ref in GENAI_TRANSLATIONS:
+            assert GENAI_TRANSLATIONS[spec.ref].__name__ == f"g_{name}", name
 
 
 def test_bfloat16_export_is_refused(tmp_path):
