@@ -1,6 +1,7 @@
 """The real SmolLM2-135M exported for ONNX Runtime GenAI (fp32, the default format) against the
-reference executor: logits through onnxruntime within 1e-4 on a prefill and on cached decode
-steps; greedy tokens from onnxruntime-genai's own loop identical. (The standard-opset format
+reference executor: logits through onnxruntime within fp32 rounding (1e-5 of the largest logit:
+30 layers summed in other orders; onnxruntime 1.32 lands at 7.7e-6 of it) on a prefill and on
+cached decode steps; greedy tokens from onnxruntime-genai's own loop identical. (The standard-opset format
 is checked op by op on the tiny presets; scripts/export_check.py measures both formats here.)
 
 Greedy identity is checked by teacher forcing: onnxruntime-genai generates, then one reference
@@ -16,7 +17,11 @@ from llmaccel.export.exporter import export
 from llmaccel.export.runtime import OnnxModel, genai_greedy
 
 pytestmark = pytest.mark.real
-TOL = 1e-4
+REL = 1e-5
+
+
+def _close(a, b) -> bool:
+    return (a - b).abs().max().item() <= REL * a.abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +35,14 @@ def pair(tmp_path_factory):
 def test_logits_and_greedy_match_the_reference(pair):
     ref, onx, out = pair
     ids = torch.tensor([ref.encode("The quick brown fox jumps over the lazy dog. Then it ran")])
-    assert (ref.logits(ids) - onx.logits(ids)).abs().max().item() <= TOL
+    assert _close(ref.logits(ids), onx.logits(ids))
     T = ids.shape[1]
     c1, c2 = ref.new_cache(1, T), onx.new_cache(1, T)
     ref.logits(ids[:, :T - 4], 0, c1)
     onx.logits(ids[:, :T - 4], 0, c2)
     for t in range(T - 4, T):
         a, b = ref.logits(ids[:, t:t + 1], t, c1), onx.logits(ids[:, t:t + 1], t, c2)
-        assert (a - b).abs().max().item() <= TOL, t
+        assert _close(a, b), t
     prompt = ref.encode("Once upon a time, in a small village,")
     gen = genai_greedy(str(out), prompt, 24)
     assert len(gen) == 24  # no EOS on this prompt
