@@ -56,12 +56,14 @@ class EagerSteps:
             if held is not None:
                 self._apply(held)
         if not proposals and not self.kivi and lps is None and seqs:
+            # held before any host state moves: a failure here leaves the step to run again
+            pending = self._hold(plan, rows, seqs, toks)
             for seq, fed, _ in plan:
                 seq.num_computed += len(fed)
                 # its full blocks' tokens are all known: a prompt of the next step may share them
                 # (what reads them runs after this step on the stream)
                 self.bm.register(seq)
-            self._eager_pending = self._hold(plan, rows, seqs, toks)
+            self._eager_pending = pending
             return
         sampled = dict(zip(rows, zip(toks.tolist(), lps or [None] * len(rows)))) if rows else {}
         r = 0
@@ -123,15 +125,19 @@ class EagerSteps:
         if not rows:
             return rows, seqs, None, None
         dev = logits.device
+
+        def h2d(x, dt):  # torch.tensor(x, device=cuda) copies and then syncs the stream, which
+            # would wait for the forward just launched (the held step is read meanwhile)
+            return torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
         ps = [s.params for s in seqs]
-        sel = logits[torch.tensor(rows, device=dev)]
+        sel = logits.index_select(0, h2d(rows, torch.int64))
         toks = sample_rows(
             sel,
-            torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev),
-            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
-            torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
-            torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64, device=dev),
+            h2d([p.temperature for p in ps], torch.float32),
+            h2d([p.top_k for p in ps], torch.int64),
+            h2d([p.top_p for p in ps], torch.float32),
+            h2d([s.seed for s in seqs], torch.int64),
+            h2d([len(s.token_ids) for s in seqs], torch.int64),
             sample_mode(ps))
         top = logprobs_wanted(ps)
         return rows, seqs, toks, (lp_pairs(*token_logprobs(sel, toks, top)) if top >= 0 else None)
@@ -149,19 +155,29 @@ class EagerSteps:
 
     def _apply(self, held: HeldStep) -> None:
         """Read a held step's tokens and do its bookkeeping (a sequence aborted meanwhile is
-        left as it is: its blocks are already free)."""
+        left as it is: its blocks are already free). Every row is applied, and a row that ends
+        is finished at once, even when one row's bookkeeping fails (the others' KV counts as
+        computed since the launch: a token not applied would be lost); the first failure is
+        raised then (the caller fails that request, as after a decode group's)."""
         if held.copied is not None:
             held.copied.synchronize()
         toks = held.toks.tolist()
-        r = 0
+        r, err = 0, None
         for seq, _, nl in held.plan:
             r += nl
             if seq.finished:
                 continue
-            if nl == 1:
-                self._append(seq, [toks[held.rows[r - 1]]])
-            self.bm.register(seq)
-        self._done(held.plan)
+            try:
+                if nl == 1:
+                    self._append(seq, [toks[held.rows[r - 1]]])
+                self.bm.register(seq)
+            except Exception as e:  # noqa: BLE001 - raised below, once every row is applied
+                err = err if err is not None else e
+            if seq.finished:
+                self.sched.finish(seq)
+        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)
+        if err is not None:
+            raise err
 
     def _done(self, plan) -> None:
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)

@@ -332,17 +332,20 @@ class LLM(DecodeSteps, EagerSteps):
         held, self._eager_pending = self._eager_pending, None
         try:
             batch, too_long = self._schedule(held)
+            for seq in too_long:  # alone it would not fit in the whole cache
+                seq.finish_reason = "length"
+            if self.bm.copies:
+                self.cache.copy_blocks(self.bm.copies)
+                if isinstance(self.draft, ModelDraft) and not self.draft.shared:
+                    self.draft.cache.copy_blocks(self.bm.copies)
+                self.bm.copies.clear()
+            if batch:
+                spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
+                proposals = self.draft.propose(spec) if spec else {}
         except BaseException:
-            if held is not None:
+            if held is not None:  # a failure before anything launched: the tokens are not lost
                 self._apply(held)
             raise
-        for seq in too_long:  # alone it would not fit in the whole cache
-            seq.finish_reason = "length"
-        if self.bm.copies:
-            self.cache.copy_blocks(self.bm.copies)
-            if isinstance(self.draft, ModelDraft) and not self.draft.shared:
-                self.draft.cache.copy_blocks(self.bm.copies)
-            self.bm.copies.clear()
         if not batch:
             if held is not None:  # nothing runs beside them: read the tokens now
                 self._apply(held)
@@ -350,13 +353,6 @@ class LLM(DecodeSteps, EagerSteps):
             if self.sched.has_work() and not too_long:
                 raise RuntimeError("scheduler made no progress")  # a bug, never a user error
             return
-        try:
-            spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
-            proposals = self.draft.propose(spec) if spec else {}
-        except BaseException:
-            if held is not None:
-                self._apply(held)
-            raise
         plan = []
         for seq, q in batch:
             nc = seq.num_computed

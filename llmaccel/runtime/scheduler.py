@@ -2,7 +2,8 @@
 
 Each step takes, under `max_num_batched_tokens`, first the running sequences (oldest first: their
 decode token, speculative proposals, or next prefill chunk), then admits waiting ones. When the
-KV blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
+KV blocks run out, the newest running sequence (other than those whose next token is still being
+computed: `skip`) is preempted: its blocks are freed and it goes back
 to the front of the waiting queue with its generated tokens kept, to be recomputed later (its
 sampler state is untouched, so the output is the same as if it had never been preempted).
 """
