@@ -181,7 +181,8 @@ def _norm_into_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 # engine and are tested against the reference executor in tests/runtime.
 LOWERING = {
     "custom-ops": "IR ops on the kernels' custom ops, torch.ops.llmaccel.<name> (traced aten forms "
-                  "on the CPU); lower(select=...); the norms and SiLU-mul only in the engine's eager steps",
+                  "on the CPU); lower(select=...); the norms and SiLU-mul only in the engine's "
+                  "eager steps",
     "rope-tables": "rope on cos/sin tables of max_position rows, gathered by position; lower(); in "
                    "the engine's eager steps on a GPU one kernel a rotation (llmaccel::rope_table)",
     "gemv": "one row on CUDA: linears as fused Triton GEMVs with the norm prologue and the "
@@ -269,7 +270,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
             # uncompiled steps on a GPU: one kernel per rotation (kernels/pointwise.py) for the
             # reference's eight aten kernels; compiled steps keep the reference, which Inductor
             # fuses and the decode steps' fuse_rope folds into the attention
-            op = custom_op(namespace, "rope_table") if select == "eager" and device.type != "cpu" else None
+            op = custom_op(namespace, "rope_table") if select == "eager" and device.type != "cpu" \
+                and node.kwargs["head_dim"] % 2 == 0 else None  # the kernel rotates even halves
             if op is not None:
                 retarget(node, op)
                 rep.custom["rope_table"] = rep.custom.get("rope_table", 0) + 1

@@ -42,7 +42,8 @@ class EagerSteps:
     def _schedule(self, held: HeldStep | None):
         """The scheduler's next batch; with a held step, without the sequences waiting for its
         tokens (they keep their slots and blocks and are not preempted: their KV is being written)."""
-        return self.sched.schedule(frozenset(id(s) for s in held.waiting) if held is not None else frozenset())
+        skip = frozenset(id(s) for s in held.waiting) if held is not None else frozenset()
+        return self.sched.schedule(skip)
 
     def _eager_step(self, plan, proposals, held: HeldStep | None = None) -> None:
         """A step with prefill chunks or speculative proposals; `held`, the step before it whose
