@@ -123,14 +123,17 @@ class ModelDraft:
         self.gm, self.cache, self.shared, self.device, self.name = gm, cache, shared, device, name
 
     def _start(self, seq) -> int:
-        return seq.num_computed if self.shared else seq.draft_computed
+        """The first position to feed: at most the last token's (a verification that failed
+        after this draft proposed leaves draft_computed past the tokens; the rejected
+        proposals' KV there is overwritten as the sequence goes on)."""
+        return min(seq.num_computed if self.shared else seq.draft_computed, len(seq.token_ids) - 1)
 
     @torch.no_grad()
     def propose(self, items: list[tuple[object, int]]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """items: (sequence, k) with k >= 1 and exactly one token of the sequence not yet fed."""
         out = {seq.id: ([], []) for seq, _ in items}
-        feed = {seq.id: seq.token_ids[self._start(seq):] for seq, _ in items}
         start = {seq.id: self._start(seq) for seq, _ in items}
+        feed = {seq.id: seq.token_ids[start[seq.id]:] for seq, _ in items}
         for j in range(max(k for _, k in items)):
             live = sorted([(s, k) for s, k in items if k > j], key=lambda sk: len(feed[sk[0].id]) != 1)
             step = [(s.block_table, start[s.id], feed[s.id]) for s, _ in live]

@@ -171,3 +171,28 @@ def test_the_step_launched_before_the_held_tokens_are_read_does_not_wait_for_the
     outs = llm.generate(prompts[:5], params)
     assert [o.token_ids for o in outs] == [list(tiny.generate_ids(p, params)) for p in prompts[:5]]
     assert llm.metrics()["eager_steps"] > 1 and blocking == []
+
+
+def test_a_failed_verification_leaves_a_separate_draft_able_to_propose(tiny, prompts):
+    """A draft with a cache of its own counts the proposals it fed; when the verification
+    forward fails, the next proposal starts again from the sequence's last token."""
+    llm = LLM(tiny, speculative="preset:tiny-llama", num_speculative_tokens=2)
+    assert not llm.draft.shared
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ps = [prompts[1], prompts[4]]
+    seqs = [llm.add_request(p, params) for p in ps]
+    forward, failed = llm._forward, []
+
+    def flaky(plan):
+        if not failed and any(nl > 1 for _, _, nl in plan):  # a step verifying proposals
+            failed.append(1)
+            raise RuntimeError("injected")
+        return forward(plan)
+    llm._forward = flaky
+    with pytest.raises(RuntimeError, match="injected"):
+        _drain(llm)
+    _drain(llm)
+    assert failed
+    for s, p in zip(seqs, ps):
+        assert s.output_ids == list(tiny.generate_ids(p, params))
+    assert llm.metrics()["spec_proposed"] > 0 and llm.metrics()["kv_blocks_used"] == 0
