@@ -17,6 +17,12 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, last dim) with unit stride in the last dim: a view where the rows are evenly
+    strided (a view of a wider buffer is read in place), else a copy."""
+    return unit_stride(x).reshape(-1, x.shape[-1])
+
+
 def device_index(device: torch.device) -> int:
     """The index of a CUDA device ("cuda" alone: the current one): the key of per-device caches."""
     return device.index if device.index is not None else torch.cuda.current_device()

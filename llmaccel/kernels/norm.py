@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from llmaccel import ops
-from llmaccel.kernels import registered, unit_stride
+from llmaccel.kernels import registered, rows_2d
 
 try:  # kernels are optional: every non-CUDA path works without triton
     import triton
@@ -49,11 +49,6 @@ if triton is not None:
         tl.store(O + row * so + offs, h.to(O.dtype.element_ty), mask=ok)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, D) with unit column stride: a view where the rows are evenly strided."""
-    return unit_stride(x).reshape(-1, x.shape[-1])
-
-
 def _dtypes(x, residual, weight) -> tuple[torch.dtype, torch.dtype]:
     """(the residual sum's dtype, the output's), as the reference's type promotion gives them."""
     s = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -69,10 +64,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
     s_dtype, out_dtype = _dtypes(x, residual, weight)
-    x2 = _rows(x)
+    x2 = rows_2d(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s = torch.empty(x.shape, dtype=s_dtype, device=x.device) if residual is not None else out
-    r2 = _rows(residual) if residual is not None else x2
+    r2 = rows_2d(residual) if residual is not None else x2
     n = x2.shape[0]
     if n:
         BLOCK = max(16, triton.next_power_of_2(D))

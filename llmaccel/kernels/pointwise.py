@@ -20,7 +20,7 @@ import torch
 
 from llmaccel import ops
 from llmaccel.ops.rope import rope_table as rope_ref
-from llmaccel.kernels import registered
+from llmaccel.kernels import registered, rows_2d, unit_stride
 
 try:  # kernels are optional: every non-CUDA path works without triton
     import triton
@@ -82,13 +82,12 @@ if triton is not None:
 
 def rope_table_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       head_dim: int) -> torch.Tensor:
-    """codegen.lower.rope_table on CUDA: x (B, T, H * head_dim) with unit stride in its last dim
+    """ops.rope.rope_table on CUDA: x (B, T, H * head_dim) with unit stride in its last dim
     (a view of a fused projection is read in place), positions (B, T), cos / sin (rows, head_dim)."""
     B, T, HD = x.shape
     if HD % head_dim or head_dim % 2:
         raise ValueError(f"rope_table: rows of {HD} are not whole heads of an even {head_dim}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_stride(x)
     cos, sin = cos.contiguous(), sin.contiguous()
     H, half = HD // head_dim, head_dim // 2
     out = torch.empty((B, T, HD), dtype=x.dtype, device=x.device)
@@ -108,8 +107,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     I = gate.shape[-1]
-    g2 = _rows(gate)
-    u2 = _rows(up)
+    g2, u2 = rows_2d(gate), rows_2d(up)
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
     out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
     N = g2.shape[0]
@@ -119,16 +117,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             g2, u2, out, N, I, g2.stride(0), u2.stride(0), BLOCK=BLOCK, ROWS=ROWS,
             num_warps=8 if BLOCK >= 2048 else 4, enable_fp_fusion=False)
     return out
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, D) with unit column stride, a view where its rows are evenly strided."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:  # rows not evenly strided: one copy
-        return x.contiguous().view(-1, x.shape[-1])
 
 
 if not registered("rope_table"):

@@ -174,9 +174,7 @@ class EagerSteps:
                 self.bm.register(seq)
             except Exception as e:  # noqa: BLE001 - raised below, once every row is applied
                 err = err if err is not None else e
-            if seq.finished:
-                self.sched.finish(seq)
-        self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], self.bm.num_used)
+        self._done(held.plan)
         if err is not None:
             raise err
 

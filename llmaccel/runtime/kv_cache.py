@@ -103,7 +103,6 @@ def build_step(cache: PagedKVCache, items: list[tuple[list[int], int, list[int]]
     """
     bs = cache.block_size
     ids, pos, slots, lens, qlens, rows = [], [], [], [], [], []
-    ones: list[int] = []  # slots of consecutive one-token items (decode rows), one array later
     n_decode, seen_multi = 0, False
     for (table, start, toks), nl in zip(items, want_logits):
         T = len(toks)
@@ -114,13 +113,7 @@ def build_step(cache: PagedKVCache, items: list[tuple[list[int], int, list[int]]
         base = len(ids)
         ids.extend(toks)
         pos.extend(range(start, start + T))
-        if T == 1:
-            ones.append(slot(table, start, bs))
-        else:
-            if ones:
-                slots.append(np.asarray(ones, dtype=np.int64))
-                ones = []
-            slots.append(chunk_slots(table, start, T, bs))
+        slots.append([slot(table, start, bs)] if T == 1 else chunk_slots(table, start, T, bs))
         lens.append(start + T)
         qlens.append(T)
         rows.extend(range(base + T - nl, base + T))
@@ -132,9 +125,8 @@ def build_step(cache: PagedKVCache, items: list[tuple[list[int], int, list[int]]
     def dev(x, dt=torch.int32):
         return torch.tensor(x, dtype=dt).to(device, non_blocking=True)
 
-    if ones:
-        slots.append(np.asarray(ones, dtype=np.int64))
-    slots = torch.from_numpy(np.concatenate(slots)) if slots else torch.zeros(0, dtype=torch.int64)
+    slots = torch.from_numpy(np.concatenate(slots).astype(np.int64, copy=False)) if slots else \
+        torch.zeros(0, dtype=torch.int64)
     ctx = PagedContext(cache, n_decode, slots.to(device, non_blocking=True), bt.to(device, non_blocking=True),
                        dev(lens), dev(cu), max(qlens[n_decode:], default=0), dev(rows, torch.int64))
     return dev([ids], torch.int64), dev([pos], torch.int64), ctx
