@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import quant as qops
+from llmaccel.kernels.gptq import gptq_block
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.ir import add_weight, is_op, positions, prune_weights, replace_weight, weight_of
 from llmaccel.quant.algorithms import Grid, awq_clip, awq_scale, gptq, refit_scales, source_correct
@@ -229,7 +230,8 @@ class _Quantizer:
         H = None if xs is None else xs.T @ xs
         if "gptq" in c.method:
             with one_thread():
-                q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp)
+                q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp,
+                                      block_fn=gptq_block)
         else:
             scale, zero = grid.params(w_all, None if H is None else H.diagonal())
             q = grid.codes(w_all, scale, zero)

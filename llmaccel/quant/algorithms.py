@@ -190,13 +190,37 @@ def refit_scales(w: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scale: torch
     return torch.where(ok[:, None], new.to(scale.dtype), scale)
 
 
+def gptq_block_ref(W1: torch.Tensor, Hi: torch.Tensor, S: torch.Tensor, Z: torch.Tensor,
+                   qmin: float, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GPTQ block whose grid parameters are fixed per column: W1 (N, b) quantized column by
+    column with scales S and zeros Z (N, b), each column's rounding error, divided by Hi's
+    diagonal, spread over the block's later columns by Hi's row (Hi: the block's (b, b) part of
+    the upper Cholesky factor of H⁻¹). Returns the codes and the scaled errors (N, b), the
+    update of the columns after the block. Rows are independent; W1 is left unchanged.
+
+    Columns are kept as rows of transposed copies (each step touches contiguous memory), and a
+    step is nine tensor ops: on a GPU the loop is launch-bound (kernels/gptq.py does the whole
+    block in one launch)."""
+    WT, ST, ZT = W1.t().contiguous(), S.t().contiguous(), Z.t().contiguous()
+    QT, ET = torch.empty_like(WT), torch.empty_like(WT)
+    d = Hi.diagonal()
+    for i in range(WT.shape[0]):
+        w, s, z, q, e = WT[i], ST[i], ZT[i], QT[i], ET[i]
+        torch.div(w, s, out=q).round_().add_(z).clamp_(qmin, qmax)
+        torch.sub(q, z, out=e).mul_(s)                 # the dequantized column
+        torch.sub(w, e, out=e).div_(d[i])              # its error over the diagonal
+        WT[i:].addr_(Hi[i, i:], e, alpha=-1)
+    return QT.t(), ET.t()
+
+
 def gptq(w: torch.Tensor, H: torch.Tensor, grid: Grid, *, act_order: bool, damp: float,
-         block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         block: int = 128, block_fn=gptq_block_ref) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ (Frantar et al.): returns integer codes, scale, zero for w (N, K) given H = X^T X.
 
     With act_order the group parameters are fixed from the weights beforehand ("static
-    groups"), so groups stay contiguous in the stored layout whatever the column order. The
-    range search (grid.search) weighs columns by the Hessian diagonal.
+    groups"), so groups stay contiguous in the stored layout whatever the column order; each
+    block is then one `block_fn` call (gptq_block_ref's signature; the passes hand in the
+    kernel's dispatcher). The range search (grid.search) weighs columns by the Hessian diagonal.
     """
     dev = w.device
     W = grid.pad(w.float())
@@ -206,7 +230,8 @@ def gptq(w: torch.Tensor, H: torch.Tensor, grid: Grid, *, act_order: bool, damp:
     H[dead, dead] = 1
     W[:, dead] = 0
     hdiag = torch.diag(H).clone()
-    scale, zero = grid.params(W, hdiag) if (act_order or grid.bits == 8) else (None, None)
+    static = act_order or grid.bits == 8
+    scale, zero = grid.params(W, hdiag) if static else (None, None)
     if scale is None:
         scale = torch.empty(N, K // grid.gs, device=dev)
         zero = torch.empty_like(scale)
@@ -218,22 +243,33 @@ def gptq(w: torch.Tensor, H: torch.Tensor, grid: Grid, *, act_order: bool, damp:
     perm_l = perm.tolist()
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
-        W1, Hi = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
-        Err = torch.zeros_like(W1)
-        for i in range(i2 - i1):
-            col = perm_l[i1 + i]
-            g = col // grid.gs
-            if not act_order and grid.bits == 4 and col % grid.gs == 0:
-                # Parameters of a group come from its columns as updated so far.
-                cols = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :grid.gs]
-                s, z = grid.params(cols, hdiag[col:col + grid.gs])
-                scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
-            s, z = scale[:, g], zero[:, g]
-            q = ((W1[:, i] / s).round() + z).clamp(grid.qmin, grid.qmax)
-            dq = (q - z) * s
-            Q[:, i1 + i] = q
-            e = (W1[:, i] - dq) / Hi[i, i]
-            W1[:, i:] -= e[:, None] * Hi[i, i:][None, :]
-            Err[:, i] = e
+        if static:
+            g = perm[i1:i2] // grid.gs
+            Q[:, i1:i2], Err = block_fn(W[:, i1:i2], Hinv[i1:i2, i1:i2], scale[:, g], zero[:, g],
+                                        grid.qmin, grid.qmax)
+        else:
+            Q[:, i1:i2], Err = _dynamic_block(W, Hinv, i1, i2, perm_l, hdiag, scale, zero, grid)
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
     return Q[:, torch.argsort(perm)], scale, zero
+
+
+def _dynamic_block(W, Hinv, i1, i2, perm_l, hdiag, scale, zero, grid: Grid):
+    """A block of GPTQ without act_order at 4 bits: each group's parameters come from its
+    columns as updated so far, taken when the group's first column is reached (written into
+    scale and zero)."""
+    W1, Hi = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+    Q1, Err = torch.zeros_like(W1), torch.zeros_like(W1)
+    for i in range(i2 - i1):
+        col = perm_l[i1 + i]
+        g = col // grid.gs
+        if col % grid.gs == 0:
+            cols = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :grid.gs]
+            s, z = grid.params(cols, hdiag[col:col + grid.gs])
+            scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
+        s, z = scale[:, g], zero[:, g]
+        q = ((W1[:, i] / s).round() + z).clamp(grid.qmin, grid.qmax)
+        Q1[:, i] = q
+        e = (W1[:, i] - (q - z) * s) / Hi[i, i]
+        W1[:, i:] -= e[:, None] * Hi[i, i:][None, :]
+        Err[:, i] = e
+    return Q1, Err

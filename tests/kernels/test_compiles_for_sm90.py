@@ -20,7 +20,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llmaccel.kernels import pointwise, sampling
+from llmaccel.kernels import gptq, pointwise, sampling
 
 def sig(fn, types, consts):
     out = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -44,6 +44,10 @@ for dt in ("*fp32", "*bf16"):
     cases.append((f"silu_mul {dt}", pointwise._silu_mul_kernel,
                   dict(G=dt, U=dt, O=dt, N="i32", I="i32", sg="i32", su="i32"),
                   {"BLOCK": 2048, "ROWS": pointwise.ROWS}))
+cases.append(("gptq_block", gptq._gptq_block_kernel,
+              dict(W="*fp32", H="*fp32", ST="*fp32", ZT="*fp32", Q="*fp32", E="*fp32", N="i32",
+                   b="i32", s_w="i32", s_h="i32", s_q="i32", qmin="fp32", qmax="fp32"),
+              {"BLOCK_R": gptq.BLOCK_R, "BLOCK_B": 128, "IEEE": True}))
 target = GPUTarget("cuda", 90, 32)
 failed = {}
 for name, fn, types, consts in cases:
