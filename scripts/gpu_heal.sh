@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Heals of the architecture passes on one CUDA device, one job after the other (a heal batches
 # ~16k tokens a step and compiles its forwards: it has the GPU to itself), each after the pass's
-# layer-local fitting where the pass has one that helps (gqa, sla, bitlinear: PASS.fit=true),
+# layer-local fitting where the pass has one that helps (gqa, sla, repbn, bitlinear: PASS.fit=true),
 # then the quality protocol on held-out text (second half of WikiText-2 test, 8192 tokens, ctx
 # 512: the compile report's held-apart check) for the healed and the unhealed artifacts.
 # Usage: scripts/gpu_heal.sh [MINUTES] [OUTDIR] [JOBS...]
 #   MINUTES: wall-clock heal budget per job (heal.minutes, the first step's compilation
 #   included; default 4), OUTDIR default out/heal-gpu,
 #   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all), each optionally followed by
-#   heal option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
+#   option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
+#   a key with a dot sets that option as given (relu:relu.shift=0.25 -> --set relu.shift=0.25);
 #   a variant reuses its base job's unhealed compile, so list the base job too for that column.
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
@@ -33,9 +34,9 @@ HEAL="--set heal.steps=100000 --set heal.minutes=$MIN --set heal.warmup=20 --set
 passes_of() {  # job -> pass list and options
   case $1 in
     gqa1) echo "gqa --set gqa.kv_heads=1 --set gqa.fit=true" ;;
-    relu) echo "relu --set relu.kind=relu" ;;
-    drelu) echo "relu --set relu.kind=drelu" ;;
-    repbn) echo "repbn" ;;
+    relu) echo "relu --set relu.kind=relu --set relu.shift=0.25" ;;    # ~74% sparse before heal, ~71% after
+    drelu) echo "relu --set relu.kind=drelu --set relu.shift=0.25" ;;  # ~89% before heal, ~82% after
+    repbn) echo "repbn --set repbn.fit=true" ;;
     sla) echo "sla --set sla.fit=true" ;;
     bitlinear) echo "bitlinear --set bitlinear.warmup=0.2 --set bitlinear.fit=true" ;;
     *) echo "unknown job $1" >&2; return 1 ;;
@@ -50,7 +51,9 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
   passes=${spec%% *}
   local opts=${spec#"$passes"}
   local rest=${name#"$base"}
-  for kv in ${rest//:/ }; do extra="$extra --set heal.$kv"; done
+  for kv in ${rest//:/ }; do
+    case ${kv%%=*} in *.*) extra="$extra --set $kv" ;; *) extra="$extra --set heal.$kv" ;; esac
+  done
   if [ -z "$rest" ]; then  # variants share their base job's unhealed compile
     $LLMC compile "$SRC" --device cuda --passes "$passes" $opts --calib "$TEXT" --calib-split first-half \
       --eval-tokens 8192 -o "$OUT/$base-noheal" > "$OUT/$base-noheal.compile.txt" 2>&1 &
@@ -63,7 +66,9 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
 
 for j in $JOBS; do job "$j"; done
 # sparsity after heal (heal changes the weights, so the relu pass's own figure is pre-heal)
-for j in relu drelu; do [ -d "$OUT/$j" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$j" --text "$TEXT" --device cuda; done \
+for j in $JOBS; do
+  case ${j%%:*} in relu|drelu) d=$(dir_of "$j"); [ -d "$OUT/$d" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$d" --text "$TEXT" --device cuda ;; esac
+done \
   | tee "$OUT/sparsity.txt"
 reports=$(for j in $JOBS; do d=$(dir_of "$j"); [ -f "$OUT/$d/report.json" ] && echo "$OUT/$d/report.json"; done)
 [ -n "$reports" ] && $PY scripts/plot_heal.py $reports -o "$OUT/heal_gpu.png"

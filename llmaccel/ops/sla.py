@@ -36,20 +36,33 @@ def _init_state(B: int, Hkv: int, D: int, C: int, K: int, device, dtype):
 
 def _la_chunks(q, k, v, S, z, eps: float, chunk: int = CHUNK):
     """Normalized causal linear attention from state (S, z). q (B, Hkv, G, T, D) and k, v
-    (B, Hkv, T, D) already feature-mapped, fp32. Returns (out (B, Hkv, G, T, D), S, z)."""
-    T = q.shape[-2]
-    outs = []
-    for s in range(0, T, chunk):
-        qc, kc, vc = q[..., s:s + chunk, :], k[:, :, None, s:s + chunk], v[:, :, None, s:s + chunk]
-        c = qc.shape[-2]
-        mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        A = (qc @ kc.transpose(-1, -2)).masked_fill(~mask, 0.0)           # (B, Hkv, G, c, c)
-        num = A @ vc + qc @ S[:, :, None]
-        den = A.sum(-1, keepdim=True) + qc @ z[:, :, None, :, None]
-        outs.append(num / (den + eps))
-        S = S + kc[:, :, 0].transpose(-1, -2) @ vc[:, :, 0]
-        z = z + kc[:, :, 0].sum(-2)
-    return torch.cat(outs, -2), S, z
+    (B, Hkv, T, D) already feature-mapped, fp32. Returns (out (B, Hkv, G, T, D), S, z).
+
+    All chunks at once: each chunk's state increment k_c^T v_c, an exclusive cumulative sum over
+    chunks for the state each chunk starts from, the masked intra-chunk part batched. No loop
+    over chunks, so the traced graph (heal compiles it with Inductor) has the same size at any
+    length; zero padding to whole chunks adds nothing (phi(0) = 0 keys, discarded queries).
+    """
+    B, Hkv, G, T, D = q.shape
+    c = min(chunk, T)
+    N = -(-T // c)
+    pad = N * c - T
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    qc = q.reshape(B, Hkv, G, N, c, D)
+    kc, vc = k.reshape(B, Hkv, N, c, D), v.reshape(B, Hkv, N, c, D)
+    dS = kc.transpose(-1, -2) @ vc                                       # (B, Hkv, N, D, D)
+    dz = kc.sum(-2)                                                      # (B, Hkv, N, D)
+    S_incl, z_incl = S[:, :, None] + dS.cumsum(2), z[:, :, None] + dz.cumsum(2)
+    S_start, z_start = S_incl - dS, z_incl - dz                         # state before each chunk
+    mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    A = (qc @ kc[:, :, None].transpose(-1, -2)).masked_fill(~mask, 0.0)  # (B, Hkv, G, N, c, c)
+    num = A @ vc[:, :, None] + qc @ S_start[:, :, None]
+    den = A.sum(-1, keepdim=True) + qc @ z_start[:, :, None, :, :, None]
+    out = (num / (den + eps)).reshape(B, Hkv, G, N * c, D)[..., :T, :]
+    return out, S_incl[:, :, -1], z_incl[:, :, -1]
 
 
 def _expand_v(v: torch.Tensor, n_kv_heads: int, group: int, head_dim: int) -> torch.Tensor:

@@ -55,6 +55,17 @@ def test_causal_form_matches_naive_loop(B, T, H, Hkv, D, K, rows):
     torch.testing.assert_close(out, naive(q, k, v, w, H, Hkv, D, K, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+def test_causal_form_traces_to_the_same_graph_size_at_any_length():
+    """No loop over chunks: heal compiles the traced forward and backward, and a graph that grew
+    with the window (8 chunk bodies per layer at 512 tokens) took Inductor minutes to compile."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def nodes(T):
+        q, k, v, w, kw = _inputs(1, T, 4, 2, 8, 4, "q")
+        return len(make_fx(lambda *a: linear_attention(*a[:3], None, a[3], **kw))(q, k, v, w).graph.nodes)
+    assert nodes(128) == nodes(512) == nodes(2048) and nodes(200) == nodes(1000)  # (these two pad)
+
+
 def test_cache_decode_and_chunked_prefill_match_whole_sequence():
     q, k, v, w, kw = _inputs(2, 90, 6, 2, 8, 4, "q")
     whole = linear_attention(q, k, v, None, w, **kw)
