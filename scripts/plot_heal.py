@@ -15,7 +15,9 @@ def heal_stats(path: str) -> tuple[str, str, dict]:
     """(label of the passes before heal, source, the heal pass's stats) of a compile report."""
     rep = json.loads(Path(path).read_text())
     heal = [p for p in rep["passes"] if p["name"] == "heal"][-1]
-    before = "+".join(p["name"] for p in rep["passes"] if p["name"] != "heal") or "heal"
+    # relu's kind (relu or drelu) names the run: both are the relu pass
+    before = "+".join(p["stats"].get("kind", p["name"]) if p["name"] == "relu" else p["name"]
+                      for p in rep["passes"] if p["name"] != "heal") or "heal"
     return before, rep["source"], heal["stats"]
 
 
@@ -64,7 +66,7 @@ def plot_stats(runs: list[tuple[str, dict]], out: str, title: str = "heal") -> N
 
 def plot(reports: list[str], out: str) -> None:
     runs = [heal_stats(p) for p in reports]
-    plot_stats([(label, st) for label, _, st in runs], out, title=f"heal on {runs[-1][1]}")
+    plot_stats([(label, st) for label, _, st in runs], out, title=f"heal on {Path(runs[-1][1]).name}")
 
 
 def sparsity(artifacts: list[str], text: str, device: str, tokens: int = 2048) -> None:
