@@ -77,8 +77,11 @@ def _write_files(model, path: Path, report: dict | None) -> None:
     if report is not None:
         from llmaccel.compiler.report import render_markdown
 
+        from llmaccel.eval.heal_plot import write_heal_plot
+
         (path / "report.json").write_text(json.dumps(report, indent=2))
         (path / "report.md").write_text(render_markdown(report))
+        write_heal_plot(report, path / "heal.png")  # a heal's loss and domain curves, if any
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": model.source,

@@ -102,6 +102,11 @@ def test_gqa_fuse_heal_pipeline_report_and_artifact(tmp_path):
     m.save(tmp_path / "a", m.report)
     rep = json.loads((tmp_path / "a" / "report.json").read_text())
     assert rep["passes"][-1]["stats"]["loss_curve"] == st["loss_curve"]
+    try:
+        import matplotlib  # noqa: F401  (the plot extra: the artifact carries the heal's curves)
+        assert (tmp_path / "a" / "heal.png").read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert not (tmp_path / "a" / "heal.png").exists()
     ids = torch.randint(0, 512, (1, 12))
     torch.testing.assert_close(load(str(tmp_path / "a")).logits(ids), m.logits(ids))
 

@@ -123,6 +123,14 @@ def test_plot_script_draws_loss_and_domain_curves(tmp_path):
     out = tmp_path / "heal.png"
     mod.plot_stats([("gqa", st)], str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # an artifact's heal.png: the report's heal runs, labelled by the passes before them
+    from llmaccel.eval.heal_plot import heal_runs, write_heal_plot
+    rep = {"source": "/models/x.gguf", "passes": [{"name": "relu", "stats": {"kind": "drelu"}},
+                                                  {"name": "heal", "stats": st}]}
+    assert heal_runs(rep) == [("drelu", st)]
+    assert write_heal_plot(rep, tmp_path / "a.png") and (tmp_path / "a.png").stat().st_size > 1000
+    assert not write_heal_plot({"passes": [{"name": "fuse", "stats": {}}]}, tmp_path / "b.png")
+    assert not (tmp_path / "b.png").exists()
 
 
 @pytest.mark.real
