@@ -35,7 +35,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.heal_data import PROMPT_TOKENS, DomainEval, resolve_prompts, sample_source
+from llmaccel.passes.heal_data import PROMPT_TOKENS, DomainEval, WindowPool, resolve_prompts, sample_source
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype)
 from llmaccel.ir import is_op, positions, weight_of
@@ -77,6 +77,10 @@ class HealConfig:
     # mixed, half of those and half built-in openings of code, dialogue, instructions,
     # documentation and lists (eval/prompts.py); auto: mixed when the model has a tokenizer.
     prompts: Literal["auto", "calib", "mixed"] = "auto"
+    # Windows the engine samples while training runs (on a thread, sharing the device), trained
+    # on as they arrive, fresh ones first: a heal that goes over its windows many times fits
+    # them rather than the source (heal_data.WindowPool). 0 = none.
+    refresh: int = 0
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
     # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
@@ -99,7 +103,7 @@ class HealConfig:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
         if self.sampled < -1:
             raise LlmaccelError(f"heal.sampled must be -1 (auto) or more, got {self.sampled}")
-        for k in ("hidden", "warmup", "minutes", "seq_len", "batch", "kl_chunk", "seed"):
+        for k in ("hidden", "warmup", "minutes", "seq_len", "batch", "kl_chunk", "seed", "refresh"):
             if getattr(self, k) < 0:
                 raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
         for k in ("domain_tokens", "domain_evals"):
@@ -239,6 +243,7 @@ class Heal(Pass):
             raise LlmaccelError("heal: the graph has no float weights it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, held, sampling = self._data(ctx, seq_len, batch)
+        pool = WindowPool(train, c.refresh)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())
         for h in hooks:
@@ -253,14 +258,20 @@ class Heal(Pass):
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
+            if c.refresh:
+                ctx.progress.log(f"heal: sampling {c.refresh} more windows while training")
+                pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
+                           prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed + 1,
+                           max_seqs=_SAMPLE_BATCH.get(torch.device(ctx.device).type, 16))
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log)
-                losses, timing = self._train(trainer, train, batch, hooks, gm, ctx, domains)
+                losses, timing = self._train(trainer, pool, batch, hooks, gm, ctx, domains)
         except torch.cuda.OutOfMemoryError as e:
             raise LlmaccelError(f"heal: out of device memory training {batch} x {seq_len} tokens "
                                 f"per step; set heal.batch lower") from e
         finally:
+            refreshed = pool.close()
             torch.set_float32_matmul_precision(precision)
             for p in params.values():
                 p.requires_grad_(False)
@@ -277,7 +288,8 @@ class Heal(Pass):
         domains.measure(gm, len(losses), tokens)
         stats = {
             "steps": len(losses), "batch": batch, "seq_len": seq_len, "train_tokens": tokens,
-            "distinct_windows": min(len(train), len(losses) * batch), "sampled_windows": c.sampled_windows(ctx),
+            "distinct_windows": min(pool.n, len(losses) * batch), "sampled_windows": c.sampled_windows(ctx),
+            **refreshed,
             "params_trained": sum(p.numel() for p in params.values()),
             "dtype": str(dtype or "float32").removeprefix("torch."),
             "compiled": trainer.backend or "off",
@@ -297,14 +309,14 @@ class Heal(Pass):
         }
         return PassResult(gm, len(params), stats)
 
-    def _train(self, trainer: Trainer, train: torch.Tensor, batch: int, hooks, gm,
+    def _train(self, trainer: Trainer, pool: WindowPool, batch: int, hooks, gm,
                ctx: PassContext, domains: DomainEval) -> tuple[list[float], dict]:
         """The training loop: (loss per step, timing stats). Losses are read every _SYNC_EVERY
         steps so that the host queues steps ahead of the device. When training progress reaches
         one of `domains`' points, the student is measured there in its inference state (the
         training forms at 1.0); that time is left out of the clock (budget and throughput)."""
         c = self.config
-        seq_len = train.shape[1] - 1
+        seq_len = pool.width - 1
         budget = 60 * c.minutes
         losses: list[float] = []
         pending: list[torch.Tensor] = []
@@ -329,8 +341,7 @@ class Heal(Pass):
                 t1 = None if t1 is None else t1 + paused
             for h in hooks:
                 h.heal_schedule(gm, frac)
-            idx = (step * batch + torch.arange(batch, device=train.device)) % len(train)
-            pending.append(trainer.step(train[idx, :-1], _lr_at(step, frac, c)))
+            pending.append(trainer.step(pool.buf[pool.batch(batch), :-1], _lr_at(step, frac, c)))
             if step in (0, c.steps - 1) or len(pending) >= _SYNC_EVERY:
                 losses += torch.stack(pending).tolist()
                 pending = []

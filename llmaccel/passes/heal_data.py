@@ -12,6 +12,8 @@ progress, and after.
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 
 import torch
@@ -139,4 +141,86 @@ class DomainEval:
         return {"domains": domains, "domain_curve": curve, "domain_eval_s": round(self.seconds, 3)}
 
 
-__all__ = ["PROMPT_TOKENS", "resolve_prompts", "prompt_ids", "sample_source", "DomainEval"]
+class WindowPool:
+    """The training windows, and with `refresh` more of them sampled while training runs.
+
+    Without refresh, step i trains on windows i*batch .. i*batch + batch - 1 (cycled), as it
+    always did. With refresh, a thread runs the engine's sampler in its streaming form over
+    `refresh` more prompts (seeded apart from the windows sampled before training); each window
+    lands in the pool as its request finishes, and a step trains on windows it has not seen yet
+    first, the rest of its batch cycling through the pool. The engine captures its step graphs
+    before training starts (start() waits for that); sampling then shares the device with
+    training, so the windows arrive at whatever pace that leaves. Which window a step reads
+    then depends on timing: the windows' contents do not.
+    """
+
+    def __init__(self, windows: torch.Tensor, refresh: int = 0):
+        self.n, self.width = windows.shape
+        self.buf = torch.empty(self.n + refresh, self.width, dtype=windows.dtype, device=windows.device)
+        self.buf[:self.n] = windows
+        self.refresh = refresh
+        self.cursor = 0
+        self.fresh: list[int] = []      # delivered, not trained on yet (oldest first)
+        self.used = 0                   # fresh windows trained on
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats: dict = {}
+        self.error: str | None = None
+
+    def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int) -> None:
+        """Start sampling `refresh` windows on a thread; returns once the engine is ready."""
+        if ctx.sampler is None or ctx.source_model is None:
+            raise LlmaccelError("heal.refresh needs the engine's sampler and the source model "
+                                "(llmc compile and llmaccel.compile hand them over; PassContext.sampler)")
+        prompts = prompt_ids(ctx.source_model, calib, self.refresh, kind, prompt_len)
+        ready = threading.Event()
+
+        def work():
+            try:
+                self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
+                                         max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
+                                         ready=ready)[1]
+            except Exception as e:  # training goes on with the windows it has; the report says why
+                self.error = f"{type(e).__name__}: {e}"
+                ready.set()
+
+        self._thread = threading.Thread(target=work, name="heal-refresh", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def batch(self, size: int) -> torch.Tensor:
+        """The next step's window indices: fresh windows first, then the pool cycled."""
+        while True:
+            try:
+                w = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if self.n < len(self.buf):
+                self.buf[self.n] = w.to(self.buf.device)
+                self.fresh.append(self.n)
+                self.n += 1
+        take, self.fresh = self.fresh[:size], self.fresh[size:]
+        self.used += len(take)
+        rest = (self.cursor + torch.arange(size - len(take))) % self.n
+        self.cursor += size - len(take)
+        return torch.cat([torch.tensor(take, dtype=torch.long), rest]).to(self.buf.device)
+
+    def windows(self) -> torch.Tensor:
+        return self.buf[:self.n]
+
+    def close(self) -> dict:
+        """Stop the sampler, wait for it; the refresh figures for the report."""
+        if self._thread is None:
+            return {}
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        out = {"refresh_windows": self.n - (len(self.buf) - self.refresh), "refresh_trained": self.used,
+               "refresh_tok_s": self.stats.get("sample_tok_s", 0.0)}
+        if self.error:
+            out["refresh_error"] = self.error
+        return out
+
+
+__all__ = ["PROMPT_TOKENS", "resolve_prompts", "prompt_ids", "sample_source", "DomainEval", "WindowPool"]

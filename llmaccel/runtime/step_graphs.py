@@ -61,7 +61,9 @@ def cuda_graph(fn, pool, device, reset=None) -> torch.cuda.CUDAGraph:
     if reset is not None:
         reset()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    # thread_local: a capture forbids unsafe CUDA calls on its own thread only, so another
+    # thread's work (a heal training beside the engine that samples its windows) goes on
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
         fn()
     return g
 

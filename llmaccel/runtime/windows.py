@@ -27,12 +27,18 @@ def _release(device) -> None:
 
 
 @torch.no_grad()
-def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int,
-                   max_seqs: int) -> tuple[torch.Tensor, dict]:
+def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, max_seqs: int,
+                   deliver=None, stop=None, ready=None) -> tuple[torch.Tensor | None, dict]:
     """(len(prompts), length) token ids: each prompt continued by the engine over `model` with
     temperature-1 samples to `length` tokens (end-of-sequence ignored); request i is seeded with
     (seed, i), so the windows do not depend on how the engine batches them. Also the stats:
-    sample_s, sampled_tokens (generated, prompts excluded), sample_tok_s."""
+    sample_s, sampled_tokens (generated, prompts excluded), sample_tok_s.
+
+    Streaming (the heal's `heal.refresh`, run on a thread beside training): deliver(window) gets
+    each (length,) window as its request finishes, in finishing order, and None comes back in
+    place of the windows; stop (a threading.Event) ends it early, ready (an Event) is set once
+    the engine has captured its step graphs (CUDA: LLM.warmup for `length` tokens), so the
+    caller can keep its own device work out of the captures."""
     if any(not 0 < len(p) < length for p in prompts):
         raise LlmaccelError(f"heal: every prompt must be 1..{length - 1} tokens long")
     t0 = time.perf_counter()
@@ -40,11 +46,21 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int,
     blocks = -(-length // _BLOCK) + 1
     params = [SamplingParams(temperature=1.0, max_tokens=length - len(p), ignore_eos=True,
                              seed=seed * 1_000_003 + i) for i, p in enumerate(prompts)]
-    llm = LLM(model, kv_cache_tokens=seqs * blocks * _BLOCK, max_num_seqs=seqs, block_size=_BLOCK,
-              enable_prefix_caching=False)
+    llm = None
     try:
-        outs = llm.generate(prompts, params)
+        llm = LLM(model, kv_cache_tokens=seqs * blocks * _BLOCK, max_num_seqs=seqs, block_size=_BLOCK,
+                  enable_prefix_caching=False)
+        if deliver is None:
+            outs = llm.generate(prompts, params)
+        else:
+            if str(llm.device).startswith("cuda"):
+                llm.warmup(context=length)
+            if ready is not None:
+                ready.set()
+            return None, _stream(llm, prompts, params, deliver, stop, seqs, t0)
     finally:
+        if ready is not None:
+            ready.set()  # also when the engine failed to start: the caller must not wait on it
         del llm
         _release(model.device)
     bad = next((o for o in outs if o.finish_reason != "length"), None)
@@ -55,3 +71,25 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int,
     generated = sum(len(o.token_ids) for o in outs)
     return windows, {"sample_s": round(seconds, 3), "sampled_tokens": generated,
                      "sample_tok_s": round(generated / max(seconds, 1e-9), 1)}
+
+
+def _stream(llm, prompts, params, deliver, stop, seqs: int, t0: float) -> dict:
+    """Requests fed to the engine two batches ahead, each window delivered as it finishes."""
+    todo = list(zip(prompts, params))[::-1]
+    live: list = []
+    generated = done = 0
+    while (todo or live) and not (stop is not None and stop.is_set()):
+        while todo and len(live) < 2 * seqs:
+            live.append(llm.add_request(*todo.pop()))
+        llm.step()
+        for s in [s for s in live if s.finished]:
+            live.remove(s)
+            out = llm.output(s)
+            if out.finish_reason != "length":
+                raise LlmaccelError(f"heal: sampling a training window failed: {out.error or out.finish_reason}")
+            deliver(torch.tensor(out.prompt_token_ids + out.token_ids, dtype=torch.long))
+            generated += len(out.token_ids)
+            done += 1
+    seconds = time.perf_counter() - t0
+    return {"sample_s": round(seconds, 3), "sampled_tokens": generated, "windows": done,
+            "sample_tok_s": round(generated / max(seconds, 1e-9), 1)}

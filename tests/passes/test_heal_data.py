@@ -75,6 +75,72 @@ def test_sample_windows_seeded_and_cache_freed(monkeypatch):
         sample_windows(m, [list(range(30))], 16, seed=0, max_seqs=1)
 
 
+def test_streamed_windows_are_the_batched_ones_and_stop_ends_early():
+    import threading
+    m = load(SRC)
+    prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
+    a, _ = sample_windows(m, prompts, 16, seed=1, max_seqs=4)
+    got, ready = [], threading.Event()
+    none, st = sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, ready=ready)
+    assert none is None and ready.is_set() and st["windows"] == 6 and st["sampled_tokens"] == 48
+    # each request is seeded by its index: the same windows, in finishing order
+    assert sorted(w.tolist() for w in got) == sorted(a.tolist())
+    stop, got = threading.Event(), []
+    stop.set()
+    assert sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, stop=stop)[1]["windows"] == 0
+
+
+def _refresh_heal(sampler, refresh=4, steps=4):
+    m = load(SRC)
+    _damage(m)
+    ctx = _ctx(SRC, m)
+    ctx.sampler = sampler
+    cls = get_pass("heal")
+    heal = cls(make_config(cls, {"steps": str(steps), "seq_len": "16", "batch": "2", "eval_windows": "2",
+                                 "domain_tokens": "0", "refresh": str(refresh)}))
+    return heal.run(m.gm, ctx).stats
+
+
+def test_refresh_windows_are_trained_on_first_as_they_arrive():
+    seen = []
+
+    def sampler(model, prompts, length, *, seed, max_seqs, deliver, stop, ready):
+        seen.append((len(prompts), length, seed))
+        for i in range(len(prompts)):   # all delivered before training starts: deterministic
+            deliver(torch.full((length,), 7 + i, dtype=torch.long))
+        ready.set()
+        return None, {"sample_tok_s": 1.0}
+
+    st = _refresh_heal(sampler)
+    assert seen == [(4, 17, 1)]           # seeded apart from heal.seed's windows
+    assert st["refresh_windows"] == 4 and st["refresh_trained"] == 4 and "refresh_error" not in st
+    assert st["distinct_windows"] == 8   # 4 steps x 2: the 4 fresh ones, then 4 of the file's
+
+
+def test_refresh_stops_with_training_and_reports_a_failed_sampler():
+    def waits(model, prompts, length, *, seed, max_seqs, deliver, stop, ready):
+        ready.set()
+        assert stop.wait(60)               # nothing delivered until training ends and stops it
+        return None, {"sample_tok_s": 0.0}
+
+    st = _refresh_heal(waits, steps=2)
+    assert st["refresh_windows"] == 0 and st["refresh_trained"] == 0 and st["steps"] == 2
+
+    def fails(model, prompts, length, **kw):
+        raise RuntimeError("no engine here")
+
+    st = _refresh_heal(fails, steps=2)
+    assert st["refresh_error"] == "RuntimeError: no engine here" and st["steps"] == 2
+    with pytest.raises(LlmaccelError, match="heal.refresh"):
+        make_config(get_pass("heal"), {"refresh": "-1"})
+
+
+def test_refresh_with_the_engine_on_a_thread():
+    st = _refresh_heal(sample_windows, refresh=8, steps=6)
+    assert "refresh_error" not in st and 0 <= st["refresh_trained"] <= st["refresh_windows"] <= 8
+    assert st["kl_after"] < st["kl_before"]
+
+
 def test_heal_reports_every_domain_before_during_after():
     m = load(SRC)
     _damage(m)
