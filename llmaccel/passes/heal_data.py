@@ -176,11 +176,17 @@ class WindowPool:
         prompts = prompt_ids(ctx.source_model, calib, self.refresh, kind, prompt_len)
         ready = threading.Event()
 
+        device = torch.device(ctx.device)
+
         def work():
+            # its own CUDA stream: the engine's steps can run beside training's kernels rather
+            # than queue behind them on the default stream
+            side = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
             try:
-                self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
-                                         max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
-                                         ready=ready)[1]
+                with side:
+                    self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
+                                             max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
+                                             ready=ready)[1]
             except Exception as e:  # training goes on with the windows it has; the report says why
                 self.error = f"{type(e).__name__}: {e}"
                 ready.set()
