@@ -29,7 +29,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
 from llmaccel.passes.fuse import fuse_linears
-from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit
+from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit, qkv_summary
 from llmaccel.ir import is_op, op_nodes, positions, probe, prune_weights, replace_weight, unfuse_linears, weight_of
 
 
@@ -183,9 +183,7 @@ class GQA(Pass):
         prefit = qkv_prefit(gm, QKVFit(steps=c.fit_qkv_steps, lr=c.fit_qkv_lr), log) if c.fit_qkv_steps else None
         st = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts, prefit), "gqa fit", orig)
         if log:
-            st["qkv_fit"] = {"layers_fitted": sum("fitted" in e and e["fitted"] < e["pca"] for e in log),
-                            "heldout_err": [[round(e["pca"], 5), round(e.get("fitted", e["pca"]), 5)]
-                                            for e in log]}
+            st["qkv_fit"] = qkv_summary(log)
         if c.fit_report_tokens:
             st["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
         return st

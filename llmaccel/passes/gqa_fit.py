@@ -41,10 +41,11 @@ def _wb(gm, lin: torch.fx.Node):
 
 class _Block:
     """The merged attention block of one layer as a function of its projections."""
+    kwargs = ("n_heads", "n_kv_heads", "head_dim", "scale")
 
     def __init__(self, gm, att: torch.fx.Node):
         self.att = att
-        self.kw = {k: att.kwargs[k] for k in ("n_heads", "n_kv_heads", "head_dim", "scale")}
+        self.kw = {k: att.kwargs[k] for k in self.kwargs}
         q, k = att.args[0], att.args[1]
         self.rope = is_op(k, ops.rope)
         self.inv_freq = None
@@ -68,7 +69,17 @@ class _Block:
             q = self._rope(F.linear(x, p["wq"], p.get("bq")), pos)
         k = self._rope(F.linear(x, p["wk"], p.get("bk")), pos)
         v = F.linear(x, p["wv"], p.get("bv"))
+        return self.attend(q, k, v, p)
+
+    def attend(self, q, k, v, p: dict) -> torch.Tensor:
         return causal_attention(q, k, v, **self.kw)
+
+    def extra(self, gm) -> dict:
+        """Parameters of the attention op itself that the fit trains beside the projections."""
+        return {}
+
+    def write_extra(self, gm, p: dict, dt) -> None:
+        """Install what extra() trained."""
 
 
 def _split(n: int, holdout: float) -> tuple[slice, slice]:
@@ -87,8 +98,9 @@ def _score(block, q, x, pos, y, p, tr, va) -> tuple[float, torch.Tensor]:
 
 
 def start_params(gm, block: _Block, wo: torch.Tensor, bo: torch.Tensor | None) -> dict:
-    """The merge as it is (fp32): wk, wv, wo and the biases that exist (bk, bv, bo)."""
-    start = {"wo": wo.float(), "bo": None if bo is None else bo.float()}
+    """The merge as it is (fp32): wk, wv, wo and the biases that exist (bk, bv, bo), and the
+    attention op's own parameters (block.extra)."""
+    start = {"wo": wo.float(), "bo": None if bo is None else bo.float(), **block.extra(gm)}
     for name in "kv":
         w, b = _wb(gm, block.lin[name])
         start[f"w{name}"] = w.float()
@@ -126,7 +138,7 @@ def fit_qkv(block: _Block, start: dict, x: torch.Tensor, pos: torch.Tensor, y: t
 
 def _adam(block, q, x, pos, y, train: dict, bo, n_tr: int, ynorm, opt: QKVFit) -> None:
     # a bias (maybe all zero) moves at its weight's scale
-    rms = {k: train["w" + k[1:]].detach().pow(2).mean().sqrt().item() for k in train}
+    rms = {k: train["w" + k[1:] if k[0] == "b" else k].detach().pow(2).mean().sqrt().item() for k in train}
     groups = [{"params": [t], "lr": opt.lr * rms[k]} for k, t in train.items()]
     adam = torch.optim.Adam(groups, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(adam, opt.steps)
@@ -142,12 +154,13 @@ def _adam(block, q, x, pos, y, train: dict, bo, n_tr: int, ynorm, opt: QKVFit) -
         sched.step()
 
 
-def qkv_prefit(gm, opt: QKVFit, log: list):
-    """fitting.attention_sites' prefit for gqa: fits the layer's projections; when the fit wins on
-    held-out windows it returns the new attention output, the W_o trained with them (the start of
-    W_o's refit) and the rewrite that installs them (else None). Appends the errors to log."""
+def qkv_prefit(gm, opt: QKVFit, log: list, block_cls=_Block):
+    """fitting.attention_sites' prefit for gqa (and sla, with its block): fits the layer's
+    projections; when the fit wins on held-out windows it returns the new attention output, the
+    W_o trained with them (the start of W_o's refit) and the rewrite that installs them (else
+    None). Appends the errors to log."""
     def prefit(att, x, pos, y, wo, bo):
-        block = _Block(gm, att)
+        block = block_cls(gm, att)
         p, info = fit_qkv(block, start_params(gm, block, wo, bo), x, pos, y, opt)
         log.append(info)
         if p is None:
@@ -161,7 +174,15 @@ def qkv_prefit(gm, opt: QKVFit, log: list):
                 b_old = lin.args[2] if len(lin.args) > 2 else None
                 b_node = b_old if b_old is None else replace_weight(gm, b_old, p[f"b{name}"].to(dt).contiguous(), lin)
                 lin.args = (lin.args[0], w_node, b_node)
+            block.write_extra(gm, p, dt)
         with torch.no_grad():
             z = block.heads(block.queries(x.float(), pos), x.float(), pos, p)
         return z.to(x.dtype), p["wo"].to(dt), write
     return prefit
+
+
+def qkv_summary(log: list[dict]) -> dict:
+    """The stats of a qkv_prefit run: layers where the fit won, each layer's held-out errors
+    (closed-form start, fitted)."""
+    return {"layers_fitted": sum("fitted" in e and e["fitted"] < e["pca"] for e in log),
+            "heldout_err": [[round(e["pca"], 5), round(e.get("fitted", e["pca"]), 5)] for e in log]}

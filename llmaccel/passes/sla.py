@@ -20,6 +20,11 @@ Initial conv weights (`sla.init`):
 - `zeros`: pure linear attention; heal learns the conv from zero (its gradient at zero is the
   shifted values, not zero).
 
+Layer-local fitting (`sla.fit=true`, fitting.py): per layer, W_q, W_k, W_v, the conv and W_o are
+first fitted by Adam to the softmax attention block's output (attention transfer; sla_fit.py:
+the ReLU feature map reads the projections, so fitting them fits the map), kept where they beat
+the closed-form start on held-out windows, then W_o is refitted by least squares.
+
 Stats: layers replaced, KV bytes per token before (bf16) vs recurrent-state bytes per sequence
 after (constant in length), the length where the two break even, and for `fit` the mean
 relative error of the attention output without and with the fitted conv on calibration text.
@@ -38,6 +43,8 @@ from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
+from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit, qkv_summary
+from llmaccel.passes.sla_fit import LinearBlock
 from llmaccel.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
 
 
@@ -50,6 +57,11 @@ class SLAConfig(FitOptions):
     calib_seq_len: int = 256
     ridge: float = 1e-3  # relative to the mean diagonal of each channel's Gram matrix
     gain: bool = True    # fit: also a per-channel gain on linear attention, folded into W_o
+    # with fit=true: Adam steps per layer fitting W_q, W_k, W_v, the conv and W_o to the softmax
+    # attention block's output (attention transfer, passes/sla_fit.py; 0: only W_o is refitted)
+    # and their learning rate (relative to each weight's RMS)
+    fit_qkv_steps: int = 150
+    fit_qkv_lr: float = 0.01
 
     def __post_init__(self):
         super().__post_init__()
@@ -61,6 +73,8 @@ class SLAConfig(FitOptions):
             raise LlmaccelError("sla.calib_samples and sla.calib_seq_len must be positive")
         if self.ridge < 0:
             raise LlmaccelError(f"sla.ridge must not be negative, got {self.ridge}")
+        if self.fit_qkv_steps < 0 or self.fit_qkv_lr <= 0:
+            raise LlmaccelError("sla.fit_qkv_steps must be >= 0 and sla.fit_qkv_lr positive")
 
 
 def _taps(x: torch.Tensor, K: int) -> torch.Tensor:
@@ -198,7 +212,12 @@ class SLA(Pass):
             gm.graph.lint()
             gm.recompile()
             unfitted = snapshot(gm)
-            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, nodes), "sla fit", orig)
+            log: list[dict] = []
+            prefit = (qkv_prefit(gm, QKVFit(steps=c.fit_qkv_steps, lr=c.fit_qkv_lr), log, LinearBlock)
+                      if c.fit_qkv_steps else None)
+            stats["fit"] = fit_sites(gm, ctx, c, attention_sites(gm, orig, nodes, prefit), "sla fit", orig)
+            if log:
+                stats["fit"]["qkv_fit"] = qkv_summary(log)
             if c.fit_report_tokens:
                 stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
         return PassResult(gm, len(nodes), stats)

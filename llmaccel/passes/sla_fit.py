@@ -1,0 +1,31 @@
+"""sla's attention transfer: each layer's W_q, W_k, W_v, its causal conv and W_o fitted together
+to the original softmax attention block's output (gqa_fit's Adam fit with the linear attention in
+place of softmax attention), before W_o's least-squares refit.
+
+The ReLU feature map has no parameter of its own, but it reads the projections: phi(q) =
+ReLU(x W_q^T), so fitting W_q and W_k is fitting the feature map (Hedgehog/LoLCATs-style attention
+transfer, here with the map folded into the projections). As for gqa, the fitted layer is kept
+only where it beats the closed-form start (conv and gain by least squares) on held-out windows.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmaccel.ops.sla import sla_forward
+from llmaccel.passes.gqa_fit import _Block
+from llmaccel.ir import replace_weight, weight_of
+
+
+class LinearBlock(_Block):
+    """One layer's linear attention block as a function of its projections and conv weight."""
+    kwargs = ("n_heads", "n_kv_heads", "head_dim", "kernel_size", "eps")
+
+    def attend(self, q, k, v, p: dict) -> torch.Tensor:
+        return sla_forward(q, k, v, p["conv"], **self.kw)[0]
+
+    def extra(self, gm) -> dict:
+        return {"conv": weight_of(gm, self.att.args[4]).float()}
+
+    def write_extra(self, gm, p: dict, dt) -> None:
+        self.att.args = (*self.att.args[:4], replace_weight(gm, self.att.args[4], p["conv"].to(dt).contiguous(),
+                                                            self.att), *self.att.args[5:])
