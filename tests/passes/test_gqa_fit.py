@@ -39,14 +39,18 @@ def _model(src: str):
     return model
 
 
-def _merged(src: str, **opts):
-    model = _model(src)
+def run_pass(model, name: str, opts: dict):
+    """The pass over model, calibrated on seeded random ids (the same for every run)."""
     ctx = PassContext(model.config, progress=Progress(False), calib_source=lambda n, s: torch.randint(
         0, model.config.vocab_size, (n, s), generator=torch.Generator().manual_seed(0)))
-    cls = get_pass("gqa")
-    res = cls(make_config(cls, {**FIT, **opts})).run(model.gm, ctx)
+    cls = get_pass(name)
+    res = cls(make_config(cls, opts)).run(model.gm, ctx)
     res.gm.recompile()
     return res
+
+
+def _merged(src: str, **opts):
+    return run_pass(_model(src), "gqa", {**FIT, **opts})
 
 
 def _block_errors(src: str, graphs: dict, ids: torch.Tensor) -> dict[str, list[float]]:

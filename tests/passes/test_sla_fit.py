@@ -8,9 +8,9 @@ from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.ir import op_nodes, positions, probe, weight_of
 from llmaccel.ops.sla import linear_attention
-from llmaccel.passes import get_pass
-from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.fitting import _attention_input, rel_err, subgraph
+
+from tests.passes.test_gqa_fit import run_pass
 
 SRC = "preset:tiny-llama"
 # fit_target=local: each layer fitted to the original block on its own inputs, as measured below
@@ -19,13 +19,7 @@ FIT = {"fit": "true", "fit_target": "local", "fit_samples": "32", "fit_seq_len":
 
 
 def _sla(**opts):
-    model = load(SRC)
-    ctx = PassContext(model.config, progress=Progress(False), calib_source=lambda n, s: torch.randint(
-        0, model.config.vocab_size, (n, s), generator=torch.Generator().manual_seed(0)))
-    cls = get_pass("sla")
-    res = cls(make_config(cls, {**FIT, **opts})).run(model.gm, ctx)
-    res.gm.recompile()
-    return res
+    return run_pass(load(SRC), "sla", {**FIT, **opts})
 
 
 def test_attention_transfer_lowers_block_error_on_heldout_activations():
