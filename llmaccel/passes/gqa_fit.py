@@ -39,7 +39,7 @@ def _wb(gm, lin: torch.fx.Node):
     return weight_of(gm, lin.args[1]), weight_of(gm, b)
 
 
-class _Block:
+class AttentionBlock:
     """The merged attention block of one layer as a function of its projections."""
     kwargs = ("n_heads", "n_kv_heads", "head_dim", "scale")
 
@@ -97,7 +97,7 @@ def _score(block, q, x, pos, y, p, tr, va) -> tuple[float, torch.Tensor]:
         return rel_err(F.linear(z[va], w, p.get("bo")), y[va]), z
 
 
-def start_params(gm, block: _Block, wo: torch.Tensor, bo: torch.Tensor | None) -> dict:
+def start_params(gm, block: AttentionBlock, wo: torch.Tensor, bo: torch.Tensor | None) -> dict:
     """The merge as it is (fp32): wk, wv, wo and the biases that exist (bk, bv, bo), and the
     attention op's own parameters (block.extra)."""
     start = {"wo": wo.float(), "bo": None if bo is None else bo.float(), **block.extra(gm)}
@@ -109,7 +109,7 @@ def start_params(gm, block: _Block, wo: torch.Tensor, bo: torch.Tensor | None) -
     return start
 
 
-def fit_qkv(block: _Block, start: dict, x: torch.Tensor, pos: torch.Tensor, y: torch.Tensor,
+def fit_qkv(block: AttentionBlock, start: dict, x: torch.Tensor, pos: torch.Tensor, y: torch.Tensor,
            opt: QKVFit):
     """Fitted projections of one layer: (params or None where the PCA merge stays, held-out errors)."""
     x, y = x.float(), y.float()
@@ -154,7 +154,7 @@ def _adam(block, q, x, pos, y, train: dict, bo, n_tr: int, ynorm, opt: QKVFit) -
         sched.step()
 
 
-def qkv_prefit(gm, opt: QKVFit, log: list, block_cls=_Block):
+def qkv_prefit(gm, opt: QKVFit, log: list, block_cls=AttentionBlock):
     """fitting.attention_sites' prefit for gqa (and sla, with its block): fits the layer's
     projections; when the fit wins on held-out windows it returns the new attention output, the
     W_o trained with them (the start of W_o's refit) and the rewrite that installs them (else

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from llmaccel.ops.sla import sla_forward
-from llmaccel.passes.gqa_fit import _Block
+from llmaccel.passes.gqa_fit import AttentionBlock
 from llmaccel.ir import replace_weight, weight_of
 
 
-class LinearBlock(_Block):
+class LinearBlock(AttentionBlock):
     """One layer's linear attention block as a function of its projections and conv weight."""
     kwargs = ("n_heads", "n_kv_heads", "head_dim", "kernel_size", "eps")
 
