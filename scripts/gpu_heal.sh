@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Heals of the architecture passes on one CUDA device, one job after the other (a heal batches
 # ~16k tokens a step and compiles its forwards: it has the GPU to itself), each after the pass's
-# layer-local fitting where the pass has one that helps (gqa, sla, repbn, bitlinear: PASS.fit=true),
+# layer-local fitting (PASS.fit=true: gqa, sla, repbn, bitlinear, relu and drelu),
 # then the quality protocol on held-out text (second half of WikiText-2 test, 8192 tokens, ctx
 # 512: the compile report's held-apart check) for the healed and the unhealed artifacts.
 # Usage: scripts/gpu_heal.sh [MINUTES] [OUTDIR] [JOBS...]
@@ -37,8 +37,8 @@ HEAL="--set heal.steps=100000 --set heal.minutes=$MIN --set heal.warmup=20 --set
 passes_of() {  # job -> pass list and options
   case $1 in
     gqa1) echo "gqa --set gqa.kv_heads=1 --set gqa.fit=true" ;;
-    relu) echo "relu --set relu.kind=relu --set relu.shift=0.25" ;;    # ~74% sparse before heal, ~71% after
-    drelu) echo "relu --set relu.kind=drelu --set relu.shift=0.25" ;;  # ~89% before heal, ~82% after
+    relu) echo "relu --set relu.kind=relu --set relu.shift=0.25 --set relu.fit=true" ;;    # ~74% sparse before heal, ~71% after
+    drelu) echo "relu --set relu.kind=drelu --set relu.shift=0.25 --set relu.fit=true" ;;  # ~89% before heal, ~82% after
     repbn) echo "repbn --set repbn.fit=true" ;;
     sla) echo "sla --set sla.fit=true" ;;
     bitlinear) echo "bitlinear --set bitlinear.warmup=0.2 --set bitlinear.fit=true" ;;

@@ -1,4 +1,4 @@
-"""Layer-local fitting shared by the approximate passes (gqa, sla, repbn, bitlinear): not a pass.
+"""Layer-local fitting shared by the approximate passes (gqa, sla, repbn, bitlinear, relu): not a pass.
 
 After a pass has made its replacement (its closed-form initialisation), `PASS.fit=true` fits the
 new parameters of every replaced module so that it reproduces the original module's outputs,
