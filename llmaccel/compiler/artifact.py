@@ -76,7 +76,6 @@ def _write_files(model, path: Path, report: dict | None) -> None:
                 shutil.copy(f, path / name)
     if report is not None:
         from llmaccel.compiler.report import render_markdown
-
         from llmaccel.eval.heal_plot import write_heal_plot
 
         (path / "report.json").write_text(json.dumps(report, indent=2))

@@ -47,6 +47,11 @@ _MAX_WINDOWS = 4096
 _SAMPLE_BATCH = {"cuda": 256, "cpu": 16}
 
 
+def _sample_batch(model) -> int:
+    """Sequences the engine samples at once over `model` (its device's entry of _SAMPLE_BATCH)."""
+    return _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
+
+
 @dataclass
 class HealConfig:
     # On a CPU a SmolLM2-135M step of 2 x 64 tokens costs ~28 CPU-seconds (measured), so the 40
@@ -227,10 +232,9 @@ class Heal(Pass):
         kind = resolve_prompts(c.prompts, model)
         n = c.sampled_windows(ctx)
         ctx.progress.log(f"heal: sampling {n} windows of {seq_len + 1} tokens ({kind} prompts)")
-        bs = _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
         windows, stats = sample_source(ctx, train, n, seq_len + 1, kind,
                                        prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
-                                       seed=c.seed, max_seqs=bs, who="heal.sampled")
+                                       seed=c.seed, max_seqs=_sample_batch(model), who="heal.sampled")
         return windows, {"prompts": kind, **stats}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -262,7 +266,7 @@ class Heal(Pass):
                 ctx.progress.log(f"heal: sampling {c.refresh} more windows while training")
                 pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
                            prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed + 1,
-                           max_seqs=_SAMPLE_BATCH.get(torch.device(ctx.device).type, 16))
+                           max_seqs=_sample_batch(ctx.source_model))
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log)

@@ -175,7 +175,6 @@ class WindowPool:
                                 "(llmc compile and llmaccel.compile hand them over; PassContext.sampler)")
         prompts = prompt_ids(ctx.source_model, calib, self.refresh, kind, prompt_len)
         ready = threading.Event()
-
         device = torch.device(ctx.device)
 
         def work():
@@ -208,12 +207,11 @@ class WindowPool:
                 self.n += 1
         take, self.fresh = self.fresh[:size], self.fresh[size:]
         self.used += len(take)
-        rest = (self.cursor + torch.arange(size - len(take))) % self.n
+        rest = (self.cursor + torch.arange(size - len(take), device=self.buf.device)) % self.n
         self.cursor += size - len(take)
-        return torch.cat([torch.tensor(take, dtype=torch.long), rest]).to(self.buf.device)
-
-    def windows(self) -> torch.Tensor:
-        return self.buf[:self.n]
+        if not take:   # no fresh windows (always so without refresh): no host-to-device copy
+            return rest
+        return torch.cat([torch.tensor(take, dtype=torch.long).to(self.buf.device), rest])
 
     def close(self) -> dict:
         """Stop the sampler, wait for it; the refresh figures for the report."""

@@ -85,20 +85,17 @@ def _down_refit(gm, orig, x: torch.fx.Node, down: torch.fx.Node, errs: list, upd
         interp.kept.pop(x, None)
         w = weight_of(gm, n.args[1])
         b = weight_of(gm, n.args[2] if len(n.args) > 2 else None)
-        old = F.linear(z, w, b)
+        Z, Y = z.flatten(0, -2).float(), y.flatten(0, -2)
         # each token's error relative to its own output: a few tokens (attention sinks) carry
         # MLP outputs 10-40x the median norm and would otherwise own the least squares
-        scale = 1 / y.flatten(0, -2).norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        target = (y - (0 if b is None else b.float())).flatten(0, -2) * scale
-        new_w = ridge_refit_validated(w, z.flatten(0, -2).float() * scale, target)
-        new = F.linear(z, new_w, b)
-        y2 = y.flatten(0, -2) * scale
-        before, after = (rel_err(o.flatten(0, -2).float() * scale, y2) for o in (old, new))
+        scale = 1 / Y.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        new_w = ridge_refit_validated(w, Z * scale, (Y - (0 if b is None else b.float())) * scale)
+        before, after = (rel_err(F.linear(Z, wt, b) * scale, Y * scale) for wt in (w, new_w))
         errs.append((before, min(before, after)))
         if after >= before:
-            return old
+            return F.linear(z, w, b)
         updates.append(lambda: setattr(n, "args", (n.args[0], replace_weight(gm, n.args[1], new_w, n), *n.args[2:])))
-        return new.to(old.dtype)
+        return F.linear(z, new_w, b)
     return site
 
 
