@@ -352,6 +352,7 @@ class Heal(Pass):
                 now = time.perf_counter()
                 if t1 is None:
                     t1, first_s = now, now - t0
+                    pool.go()  # compiled: the sampler may share the interpreter now
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{losses[-1]:.4f}",
                                     tok_s=f"{len(losses) * batch * seq_len / (now - t0):,.0f}")

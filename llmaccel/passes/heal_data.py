@@ -149,8 +149,9 @@ class WindowPool:
     `refresh` more prompts (seeded apart from the windows sampled before training); each window
     lands in the pool as its request finishes, and a step trains on windows it has not seen yet
     first, the rest of its batch cycling through the pool. The engine captures its step graphs
-    before training starts (start() waits for that); sampling then shares the device with
-    training, so the windows arrive at whatever pace that leaves. Which window a step reads
+    before training starts (start() waits for that) and samples once go() is called (after the
+    training step's compilation); it then shares the device with training, so the windows
+    arrive at whatever pace that leaves. Which window a step reads
     then depends on timing: the windows' contents do not.
     """
 
@@ -164,6 +165,7 @@ class WindowPool:
         self.used = 0                   # fresh windows trained on
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._go = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats: dict = {}
         self.error: str | None = None
@@ -185,7 +187,7 @@ class WindowPool:
                 with side:
                     self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
                                              max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
-                                             ready=ready)[1]
+                                             ready=ready, begin=self._go)[1]
             except Exception as e:  # training goes on with the windows it has; the report says why
                 self.error = f"{type(e).__name__}: {e}"
                 ready.set()
@@ -193,6 +195,10 @@ class WindowPool:
         self._thread = threading.Thread(target=work, name="heal-refresh", daemon=True)
         self._thread.start()
         ready.wait()
+
+    def go(self) -> None:
+        """Let the sampler start (it waits for this after capturing its graphs)."""
+        self._go.set()
 
     def batch(self, size: int) -> torch.Tensor:
         """The next step's window indices: fresh windows first, then the pool cycled."""

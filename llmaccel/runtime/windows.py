@@ -28,7 +28,7 @@ def _release(device) -> None:
 
 @torch.no_grad()
 def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, max_seqs: int,
-                   deliver=None, stop=None, ready=None) -> tuple[torch.Tensor | None, dict]:
+                   deliver=None, stop=None, ready=None, begin=None) -> tuple[torch.Tensor | None, dict]:
     """(len(prompts), length) token ids: each prompt continued by the engine over `model` with
     temperature-1 samples to `length` tokens (end-of-sequence ignored); request i is seeded with
     (seed, i), so the windows do not depend on how the engine batches them. Also the stats:
@@ -38,7 +38,10 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
     each (length,) window as its request finishes, in finishing order, and None comes back in
     place of the windows; stop (a threading.Event) ends it early, ready (an Event) is set once
     the engine has captured its step graphs (CUDA: LLM.warmup for `length` tokens), so the
-    caller can keep its own device work out of the captures."""
+    caller can keep its own device work out of the captures; begin (an Event), when given, holds
+    the requests back until it is set (the heal sets it once its first step has compiled: the
+    engine's Python loop on a thread would otherwise slow Inductor's compilation by sharing the
+    interpreter with it, 110 s instead of ~64 s for a SmolLM2 step on an H200)."""
     if any(not 0 < len(p) < length for p in prompts):
         raise LlmaccelError(f"heal: every prompt must be 1..{length - 1} tokens long")
     t0 = time.perf_counter()
@@ -57,6 +60,9 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
                 llm.warmup(context=length)
             if ready is not None:
                 ready.set()
+            while begin is not None and not begin.wait(0.05):
+                if stop is not None and stop.is_set():
+                    break
             return None, _stream(llm, prompts, params, deliver, stop, seqs, t0)
     finally:
         if ready is not None:

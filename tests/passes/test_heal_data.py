@@ -88,6 +88,9 @@ def test_streamed_windows_are_the_batched_ones_and_stop_ends_early():
     stop, got = threading.Event(), []
     stop.set()
     assert sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, stop=stop)[1]["windows"] == 0
+    # held back by begin until stopped: nothing sampled
+    assert sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, stop=stop,
+                          begin=threading.Event())[1]["windows"] == 0 and not got
 
 
 def _refresh_heal(sampler, refresh=4, steps=4):
@@ -104,7 +107,7 @@ def _refresh_heal(sampler, refresh=4, steps=4):
 def test_refresh_windows_are_trained_on_first_as_they_arrive():
     seen = []
 
-    def sampler(model, prompts, length, *, seed, max_seqs, deliver, stop, ready):
+    def sampler(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
         seen.append((len(prompts), length, seed))
         for i in range(len(prompts)):   # all delivered before training starts: deterministic
             deliver(torch.full((length,), 7 + i, dtype=torch.long))
@@ -117,8 +120,23 @@ def test_refresh_windows_are_trained_on_first_as_they_arrive():
     assert st["distinct_windows"] == 8   # 4 steps x 2: the 4 fresh ones, then 4 of the file's
 
 
+def test_refresh_sampling_begins_after_the_first_training_step():
+    seen = {}
+
+    def gated(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
+        ready.set()
+        seen["before"] = begin.is_set()    # training has not compiled its step yet
+        seen["after"] = begin.wait(60)
+        for i in range(len(prompts)):
+            deliver(torch.full((length,), 7 + i, dtype=torch.long))
+        return None, {"sample_tok_s": 1.0}
+
+    st = _refresh_heal(gated, steps=3)
+    assert seen == {"before": False, "after": True} and "refresh_error" not in st
+
+
 def test_refresh_stops_with_training_and_reports_a_failed_sampler():
-    def waits(model, prompts, length, *, seed, max_seqs, deliver, stop, ready):
+    def waits(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
         ready.set()
         assert stop.wait(60)               # nothing delivered until training ends and stops it
         return None, {"sample_tok_s": 0.0}
