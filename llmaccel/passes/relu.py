@@ -90,7 +90,8 @@ def _down_refit(gm, orig, x: torch.fx.Node, down: torch.fx.Node, errs: list, upd
         # MLP outputs 10-40x the median norm and would otherwise own the least squares
         scale = 1 / Y.norm(dim=-1, keepdim=True).clamp_min(1e-6)
         new_w = ridge_refit_validated(w, Z * scale, (Y - (0 if b is None else b.float())) * scale)
-        before, after = (rel_err(F.linear(Z, wt, b) * scale, Y * scale) for wt in (w, new_w))
+        bf = None if b is None else b.float()   # the error in fp32 whatever the model's dtype
+        before, after = (rel_err(F.linear(Z, wt.float(), bf) * scale, Y * scale) for wt in (w, new_w))
         errs.append((before, min(before, after)))
         if after >= before:
             return F.linear(z, w, b)

@@ -95,3 +95,26 @@ def test_mixed_fit_data_needs_the_engines_sampler():
     cls = get_pass("repbn")
     with pytest.raises(LlmaccelError, match="fit_data=mixed needs the engine"):
         cls(make_config(cls, {**CASES["repbn"], **FIT, "fit": "true"})).run(model.gm, ctx)
+
+
+@pytest.mark.parametrize("name,opts", [*CASES.items(), ("relu", {"kind": "drelu", "shift": "0.25"})],
+                         ids=[*CASES, "relu"])
+def test_fit_runs_on_a_bfloat16_model(name, opts):
+    """On a GPU the model is held in bfloat16: every pass's fit runs on it (its math in fp32),
+    no module gets worse, and the fitted graph still runs in bfloat16 with finite logits."""
+    bf16 = dict(dtype=torch.bfloat16)
+    model = load(SRC, **bf16)
+    ctx = PassContext(model.config, progress=Progress(False), source_model=load(SRC, **bf16),
+                      calib_source=lambda n, s: torch.randint(0, 500, (n, s), generator=torch.Generator().manual_seed(0)),
+                      sampler=sample_windows)
+    cls = get_pass(name)
+    res = cls(make_config(cls, {**opts, **FIT, "fit": "true"})).run(model.gm, ctx)
+    res.gm.graph.lint()
+    res.gm.recompile()
+    st = res.stats["fit"]
+    assert st["modules"] > 0 and all(a <= b for b, a in st["per_module"])
+    floats = {k: v.dtype for k, v in res.gm.state_dict().items() if v.is_floating_point()}
+    assert set(floats.values()) == {torch.bfloat16}, floats
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(5))
+    logits = res.gm(ids, torch.arange(24).expand_as(ids), None)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
