@@ -84,8 +84,10 @@ class HealConfig:
     prompts: Literal["auto", "calib", "mixed"] = "auto"
     # Windows the engine samples while training runs (on a thread, sharing the device), trained
     # on as they arrive, fresh ones first: a heal that goes over its windows many times fits
-    # them rather than the source (heal_data.WindowPool). 0 = none.
-    refresh: int = 0
+    # them rather than the source (heal_data.WindowPool). 0 = none; -1 = auto: 32768 on CUDA with
+    # the engine's sampler (sampling stops with training; a 6-minute H200 heal of gqa to one KV
+    # head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
+    refresh: int = -1
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
     # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
@@ -106,9 +108,10 @@ class HealConfig:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
         if not self.lr > 0:
             raise LlmaccelError(f"heal.lr must be positive, got {self.lr}")
-        if self.sampled < -1:
-            raise LlmaccelError(f"heal.sampled must be -1 (auto) or more, got {self.sampled}")
-        for k in ("hidden", "warmup", "minutes", "seq_len", "batch", "kl_chunk", "seed", "refresh"):
+        for k in ("sampled", "refresh"):
+            if getattr(self, k) < -1:
+                raise LlmaccelError(f"heal.{k} must be -1 (auto) or more, got {getattr(self, k)}")
+        for k in ("hidden", "warmup", "minutes", "seq_len", "batch", "kl_chunk", "seed"):
             if getattr(self, k) < 0:
                 raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
         for k in ("domain_tokens", "domain_evals"):
@@ -123,10 +126,17 @@ class HealConfig:
 
     def sampled_windows(self, ctx: PassContext) -> int:
         """heal.sampled with auto resolved: 2048 on CUDA with the engine's sampler, else 0."""
-        if self.sampled >= 0:
-            return self.sampled
-        able = ctx.sampler is not None and ctx.source_model is not None
-        return 2048 if able and str(ctx.device).startswith("cuda") else 0
+        return self.sampled if self.sampled >= 0 else _auto(ctx, 2048)
+
+    def refresh_windows(self, ctx: PassContext) -> int:
+        """heal.refresh with auto resolved: 32768 on CUDA with the engine's sampler, else 0."""
+        return self.refresh if self.refresh >= 0 else _auto(ctx, 32768)
+
+
+def _auto(ctx: PassContext, n: int) -> int:
+    """n where the engine samples fast (CUDA, sampler and source model at hand), else 0."""
+    able = ctx.sampler is not None and ctx.source_model is not None
+    return n if able and str(ctx.device).startswith("cuda") else 0
 
 
 def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.nn.Parameter]:
@@ -247,7 +257,8 @@ class Heal(Pass):
             raise LlmaccelError("heal: the graph has no float weights it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, held, sampling = self._data(ctx, seq_len, batch)
-        pool = WindowPool(train, c.refresh)
+        refresh = c.refresh_windows(ctx)
+        pool = WindowPool(train, refresh)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())
         for h in hooks:
@@ -262,8 +273,8 @@ class Heal(Pass):
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
-            if c.refresh:
-                ctx.progress.log(f"heal: sampling {c.refresh} more windows while training")
+            if refresh:
+                ctx.progress.log(f"heal: sampling up to {refresh} more windows while training")
                 pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
                            prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed + 1,
                            max_seqs=_sample_batch(ctx.source_model))

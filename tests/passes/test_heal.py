@@ -169,13 +169,14 @@ def test_sampled_windows_continue_calibration_prompts_and_train():
         make_config(get_pass("heal"), {"sampled": "-2"})
 
 
-def test_sampled_auto_is_2048_on_cuda_with_a_sampler_else_none():
+def test_sampled_and_refresh_auto_on_cuda_with_a_sampler_else_none():
     cfg = make_config(get_pass("heal"), {})
     m = load("preset:tiny-llama")
     able = PassContext(m.config, progress=Progress(False), source_model=m, sampler=sample_windows)
-    assert cfg.sampled_windows(able) == 0  # a CPU context
+    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able) == 0  # a CPU context
     able.device = "cuda:0"
-    assert cfg.sampled_windows(able) == 2048
+    assert cfg.sampled_windows(able) == 2048 and cfg.refresh_windows(able) == 32768
     able.sampler = None  # compile() called without the engine's sampler: no sampling, no error
-    assert cfg.sampled_windows(able) == 0
+    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able) == 0
     assert make_config(get_pass("heal"), {"sampled": "7"}).sampled_windows(able) == 7
+    assert make_config(get_pass("heal"), {"refresh": "9"}).refresh_windows(able) == 9

@@ -150,7 +150,7 @@ def test_refresh_stops_with_training_and_reports_a_failed_sampler():
     st = _refresh_heal(fails, steps=2)
     assert st["refresh_error"] == "RuntimeError: no engine here" and st["steps"] == 2
     with pytest.raises(LlmaccelError, match="heal.refresh"):
-        make_config(get_pass("heal"), {"refresh": "-1"})
+        make_config(get_pass("heal"), {"refresh": "-2"})
 
 
 def test_refresh_with_the_engine_on_a_thread():
