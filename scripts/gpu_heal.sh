@@ -10,7 +10,7 @@
 #   JOBS: any of gqa1 relu drelu repbn sla bitlinear (default all), each optionally followed by
 #   option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
 #   a key with a dot sets that option as given (relu:relu.shift=0.25 -> --set relu.shift=0.25);
-#   gqa1:refresh=16384 samples 16,384 more windows while it trains (heal.refresh);
+#   gqa1:refresh=0 trains without the windows sampled while it trains (heal.refresh, on by default);
 #   a variant reuses its base job's unhealed compile, so list the base job too for that column.
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
