@@ -283,8 +283,10 @@ class Heal(Pass):
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log)
                 losses, timing = self._train(trainer, pool, batch, hooks, gm, ctx, domains)
         except torch.cuda.OutOfMemoryError as e:
+            beside = (f" or heal.refresh=0 (the engine sampling beside training holds a KV cache "
+                      f"of {_sample_batch(ctx.source_model)} windows)") if refresh else ""
             raise LlmaccelError(f"heal: out of device memory training {batch} x {seq_len} tokens "
-                                f"per step; set heal.batch lower") from e
+                                f"per step; set heal.batch lower{beside}") from e
         finally:
             refreshed = pool.close()
             torch.set_float32_matmul_precision(precision)

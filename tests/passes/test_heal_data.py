@@ -135,6 +135,25 @@ def test_refresh_sampling_begins_after_the_first_training_step():
     assert seen == {"before": False, "after": True} and "refresh_error" not in st
 
 
+def test_out_of_memory_names_the_options_that_free_it(monkeypatch):
+    """A step that runs out of device memory: one error naming heal.batch, and heal.refresh
+    when the engine samples beside training (its KV cache is then on the device too)."""
+    from llmaccel.passes import heal_train
+
+    def oom(self, *a, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(heal_train.Trainer, "step", oom)
+
+    def idle(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
+        ready.set()
+        return None, {"sample_tok_s": 0.0}
+
+    with pytest.raises(LlmaccelError, match=r"heal.batch lower or heal.refresh=0"):
+        _refresh_heal(idle)
+    with pytest.raises(LlmaccelError, match=r"heal.batch lower$"):
+        _refresh_heal(idle, refresh=0)
+
+
 def test_refresh_stops_with_training_and_reports_a_failed_sampler():
     def waits(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
         ready.set()
