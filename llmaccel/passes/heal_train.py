@@ -39,6 +39,7 @@ from llmaccel import ops
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import is_op, positions, weight_of
+from llmaccel.passes.heal_regions import regional
 from llmaccel.ops.rope import rope_at, rope_inv_freq
 
 _GPU_TOKENS = 16384   # training tokens per step on CUDA unless memory bounds it
@@ -243,10 +244,12 @@ class Trainer:
 
     def __init__(self, student: torch.fx.GraphModule, teacher: torch.fx.GraphModule,
                  params: list[torch.nn.Parameter], *, lr: float, hidden: float,
-                 dtype: torch.dtype | None, backend: str | None, kl_chunk: int, log=print):
+                 dtype: torch.dtype | None, backend: str | None, kl_chunk: int, log=print,
+                 regional: bool = False):
         self.hidden, self.dtype, self.chunk, self.log = hidden, dtype, kl_chunk, log
         self.params = params
         self._views = (heal_view(student, bool(hidden)), heal_view(teacher, bool(hidden)))
+        self.regional = regional and backend is not None
         self._build(backend)
         # a first step that fails to compile falls back to eager once (auto chose compilation)
         self.fallback = backend is not None
@@ -258,6 +261,11 @@ class Trainer:
         (s, self.s_head), (t, self.t_head) = self._views
         self.rows_fn = kl_rows
         if backend:
+            if self.regional:   # each decoder layer traced and compiled once (heal_regions.py)
+                rs, rt = regional(s), regional(t)
+                # no layers to share, or a torch without nested compile regions: the whole graph
+                self.regional = rs is not s and rt is not t
+                s, t = (rs, rt) if self.regional else (s, t)
             s = torch.compile(s, backend=backend, fullgraph=True, dynamic=False)
             t = torch.compile(t, backend=backend, fullgraph=True, dynamic=False)
             self.rows_fn = torch.compile(kl_rows, backend=backend, fullgraph=True)
@@ -295,6 +303,11 @@ class Trainer:
             if not self.fallback:
                 raise
             self.compile_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            if self.regional:   # the whole graph at once, as without heal.regional
+                self.log(f"heal: compiling by layer failed ({self.compile_error}); compiling the whole graph")
+                self.regional = False
+                self._build(self.backend)
+                return self.step(x, lr)
             self.log(f"heal: compilation failed ({self.compile_error}); training eagerly")
             self._build(None)
             loss = self._step(x, lr)
