@@ -70,7 +70,9 @@ class DecodeSteps:
             return None  # a running sequence outside the group (one whose token an eager step
             # read after the group was scheduled) waits for no more than this group
         k, bm = grp.n, self.bm
-        cont = [s for s in seqs if not s.finished and self._group_size([s], k) > 0]
+        mp = self.cfg.max_position   # _group_size([s], k) > 0, inline: 256 rows per group
+        cont = [s for s in seqs if not s.finished and s.params.max_tokens - s.n_output > k
+                and mp - len(s.token_ids) > k]
         if not cont:
             return None
         n = self._group_size(cont, k)
@@ -88,9 +90,11 @@ class DecodeSteps:
         """Grow each row's block table to its position + `ahead` tokens (blocks that only this
         row holds) when the free blocks cover them all; False (nothing grown) when they do not."""
         bm = self.bm
-        if sum(max(0, bm.blocks_for(s.num_computed + ahead) - len(s.block_table)) for s in seqs) > bm.num_free:
+        short = [(s, bm.blocks_for(s.num_computed + ahead) - len(s.block_table)) for s in seqs]
+        short = [(s, n) for s, n in short if n > 0]   # most groups grow few rows, if any
+        if sum(n for _, n in short) > bm.num_free:
             return False
-        for s in seqs:
+        for s, _ in short:
             bm.grow(s, s.num_computed + ahead)
         return True
 
