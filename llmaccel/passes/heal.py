@@ -85,8 +85,9 @@ class HealConfig:
     # Windows the engine samples while training runs (on a thread, sharing the device), trained
     # on as they arrive, fresh ones first: a heal that goes over its windows many times fits
     # them rather than the source (heal_data.WindowPool). 0 = none; -1 = auto: 32768 on CUDA with
-    # the engine's sampler (sampling stops with training; a 6-minute H200 heal of gqa to one KV
-    # head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
+    # the engine's sampler when the heal would go round its windows (a `minutes` budget, or more
+    # steps x batch than windows; sampling stops with training; a 6-minute H200 heal of gqa to one
+    # KV head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
     refresh: int = -1
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
@@ -133,9 +134,13 @@ class HealConfig:
         """heal.sampled with auto resolved: 2048 on CUDA with the engine's sampler, else 0."""
         return self.sampled if self.sampled >= 0 else _auto(ctx, 2048)
 
-    def refresh_windows(self, ctx: PassContext) -> int:
-        """heal.refresh with auto resolved: 32768 on CUDA with the engine's sampler, else 0."""
-        return self.refresh if self.refresh >= 0 else _auto(ctx, 32768)
+    def refresh_windows(self, ctx: PassContext, wanted: int, have: int) -> int:
+        """heal.refresh with auto resolved: 32768 on CUDA with the engine's sampler when the heal
+        would go round its `have` windows (a minutes budget, or `wanted` windows of steps x
+        batch beyond them), else 0."""
+        if self.refresh >= 0:
+            return self.refresh
+        return _auto(ctx, 32768) if self.minutes or wanted > have else 0
 
 
 def _auto(ctx: PassContext, n: int) -> int:
@@ -262,7 +267,7 @@ class Heal(Pass):
             raise LlmaccelError("heal: the graph has no float weights it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, held, sampling = self._data(ctx, seq_len, batch)
-        refresh = c.refresh_windows(ctx)
+        refresh = c.refresh_windows(ctx, c.steps * batch, len(train))
         pool = WindowPool(train, refresh)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())

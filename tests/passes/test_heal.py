@@ -173,10 +173,13 @@ def test_sampled_and_refresh_auto_on_cuda_with_a_sampler_else_none():
     cfg = make_config(get_pass("heal"), {})
     m = load("preset:tiny-llama")
     able = PassContext(m.config, progress=Progress(False), source_model=m, sampler=sample_windows)
-    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able) == 0  # a CPU context
+    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able, 900, 100) == 0  # a CPU context
     able.device = "cuda:0"
-    assert cfg.sampled_windows(able) == 2048 and cfg.refresh_windows(able) == 32768
+    assert cfg.sampled_windows(able) == 2048 and cfg.refresh_windows(able, 900, 100) == 32768
+    # a heal that does not go round its windows samples no more, unless it runs on a budget
+    assert cfg.refresh_windows(able, 100, 100) == 0
+    assert make_config(get_pass("heal"), {"minutes": "5"}).refresh_windows(able, 100, 100) == 32768
     able.sampler = None  # compile() called without the engine's sampler: no sampling, no error
-    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able) == 0
+    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able, 900, 100) == 0
     assert make_config(get_pass("heal"), {"sampled": "7"}).sampled_windows(able) == 7
-    assert make_config(get_pass("heal"), {"refresh": "9"}).refresh_windows(able) == 9
+    assert make_config(get_pass("heal"), {"refresh": "9"}).refresh_windows(able, 1, 100) == 9
