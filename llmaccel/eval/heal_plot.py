@@ -33,6 +33,9 @@ def plot_stats(runs: list[tuple[str, dict]], out: str, title: str = "heal", quie
         colour = f"C{i}"
         xs = [(j + 0.5) * st["loss_curve_every"] for j in range(len(st["loss_curve"]))]
         data = f", {st['sampled_windows']} sampled windows" if st.get("sampled_windows") else ""
+        if st.get("refresh_windows"):   # named apart from the same pass healed without them
+            data += f" + {st['refresh_windows']} while training"
+            label = f"{label} +refresh"
         ax.plot(xs, st["loss_curve"], color=colour, label=f"{label} ({st['steps']} steps{data}): held-out "
                 f"ΔPPL {st['delta_ppl_pct_before']:+.0f}% → {st['delta_ppl_pct_after']:+.0f}%")
         dc = st.get("domain_curve")
