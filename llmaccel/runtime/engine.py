@@ -374,13 +374,15 @@ class LLM(DecodeSteps, EagerSteps):
         self._eager_step(plan, proposals, held)
 
     @torch.inference_mode()  # as step() runs: Dynamo's guards on it hold for later shapes too
-    def warmup(self, context: int = 2048, progress: bool = False) -> dict:
+    def warmup(self, context: int = 2048, progress: bool = False, modes: tuple[str, ...] | None = None) -> dict:
         """Compile and capture the decode steps of every batch bucket for contexts up to
         `context` tokens, and a lone prompt's prefill steps, and compile the kernels of eager
         mixed steps, now (CUDA graphs only; a server does this before it answers, so that no
         request waits for a compile; longer contexts capture their widths on first use):
-        {"shapes": steps captured or run, "seconds": how long}. progress: a bar of them on stderr."""
-        return warm_up(self, context, progress)
+        {"shapes": steps captured or run, "seconds": how long}. progress: a bar of them on stderr.
+        modes: the sampling modes whose decode steps to capture (default all: greedy, sample,
+        filter); an engine that will only ever serve one kind of request can name it."""
+        return warm_up(self, context, progress, modes)
 
     def metrics(self) -> dict:
         s = dict(self.stats)

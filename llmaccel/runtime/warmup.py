@@ -50,14 +50,17 @@ def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int, bar=No
     return len(steps)
 
 
-def warm_up(llm, context: int, progress: bool) -> dict:
+def warm_up(llm, context: int, progress: bool, modes: tuple[str, ...] | None = None) -> dict:
     """LLM.warmup's work (it runs in inference mode, as steps do)."""
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
+    modes = WARM_MODES if modes is None else tuple(modes)
+    if not modes or any(m not in WARM_MODES for m in modes):
+        raise LlmaccelError(f"warm-up modes must be some of {', '.join(WARM_MODES)}, got {modes!r}")
     t0 = time.perf_counter()
     context = min(context, llm.cfg.max_position)
     capture = llm.runner is not None and llm.runner.capture
-    shapes = [(llm.runner, k) for k in llm.runner.warm_keys(WARM_MODES, context)] if capture else []
+    shapes = [(llm.runner, k) for k in llm.runner.warm_keys(modes, context)] if capture else []
     if llm.steps is not None and llm.steps.capture:
         shapes += [(llm.steps, k) for k in llm.steps.warm_keys()]
     eager = len(eager_warm_steps(context)) if capture else 0

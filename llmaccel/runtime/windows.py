@@ -15,7 +15,7 @@ import torch
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.runtime.engine import LLM
-from llmaccel.sampling import SamplingParams
+from llmaccel.sampling import SamplingParams, sample_mode
 
 _BLOCK = 16  # the engine's KV block size
 
@@ -56,8 +56,8 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
         if deliver is None:
             outs = llm.generate(prompts, params)
         else:
-            if str(llm.device).startswith("cuda"):
-                llm.warmup(context=length)
+            if str(llm.device).startswith("cuda"):   # temperature 1, no filter: "sample" steps
+                llm.warmup(context=length, modes=(sample_mode(params),))
             if ready is not None:
                 ready.set()
             while begin is not None and not begin.wait(0.05):

@@ -323,6 +323,21 @@ def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeyp
     assert m1["graph_steps"] > 0 and m1["step_graph_replays"] > 0
 
 
+def test_warmup_of_one_sampling_mode_captures_its_steps_alone(tiny, monkeypatch):
+    """warmup(modes=("sample",)): the decode steps of that mode only (the heal's sampler, which
+    only ever asks for temperature-1 samples); a mode that does not exist is refused."""
+    llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=4)
+    with pytest.raises(LlmaccelError, match="warm-up modes"):
+        llm.warmup(64, modes=("beam",))
+    llm.warmup(64, modes=("sample",))
+    assert llm.runner.graphs and {k[2] for k in llm.runner.graphs} == {"sample"}
+    captured = llm.metrics()["graphs_captured"]
+    sampled = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=3)
+    want = [o.token_ids for o in LLM(tiny, max_num_seqs=4).generate([[5, 6, 7]] * 3, sampled)]
+    assert [o.token_ids for o in llm.generate([[5, 6, 7]] * 3, sampled)] == want
+    assert llm.metrics()["graphs_captured"] == captured   # nothing captured on first use
+
+
 def test_warmup_covers_requests_that_end_at_the_context(tiny, monkeypatch):
     """Requests whose prompt and max_tokens fill the warm-up context exactly meet no new decode
     shape: a group runs as many sub-steps as the row with the most tokens left wants, so a row
