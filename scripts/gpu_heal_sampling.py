@@ -64,5 +64,6 @@ def run(model, prompts, a, kind: str, cuda: bool, i: int) -> dict:
                    reserved_after_gib=round(torch.cuda.memory_reserved() / gib, 3))
     return row
 
+
 if __name__ == "__main__":
     main()

@@ -102,9 +102,9 @@ class HealConfig:
     # torch.compile backend of the forwards (auto: inductor on CUDA, off elsewhere)
     compile: Literal["auto", "off", "inductor", "aot_eager"] = "auto"
     # Compile each decoder layer once and reuse it for the alike layers (heal_regions.py: nested
-    # compile regions) instead of the whole graph: SmolLM2-135M's student forward and backward
-    # compile in 18 s instead of 55 s with Inductor on a 2-core CPU (sla: 59 s instead of 194 s for
-    # the whole first step); not yet measured on a GPU.
+    # compile regions) instead of the whole graph. 2-core CPU, SmolLM2-135M shapes, Inductor:
+    # first step 80 -> 39 s but later steps ~10% slower; sla 190 -> 62 s, later steps no slower.
+    # Not yet measured on a GPU.
     regional: bool = False
     kl_chunk: int = 4096     # rows of (rows, vocab) logits alive at once in the loss (0 = all)
 

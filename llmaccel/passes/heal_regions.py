@@ -1,4 +1,4 @@
-"""The heal's forwards compiled one decoder layer at a time (`heal.compile=regional`).
+"""The heal's forwards compiled one decoder layer at a time (`heal.regional`).
 
 A heal view (heal_train.heal_view) is one flat graph of every layer, so torch.compile traces,
 differentiates and generates code for each of a model's layers although they are alike. Here
@@ -17,14 +17,23 @@ from __future__ import annotations
 
 import re
 
+import operator
+
 import torch
 import torch.fx
 
+from llmaccel import ops
+from llmaccel.errors import LlmaccelError
+from llmaccel.ops.kvquant import kv_quant_attention
+from llmaccel.ops.sla import linear_attention
+from llmaccel.ops.sparse import sparse_down
+
 _CALLS = ("call_function", "call_method", "call_module")
-# keywords that do not change what an op computes in a heal view, so layers that differ only in
-# them share a region: `layer` names a KV-cache slot (there is no cache here), `sparsity` is
-# sparse_down's measured sparsity (a kernel's hint)
-_HINTS = ("layer", "sparsity")
+# keywords that do not change what these ops compute in a heal view (no cache), so layers that
+# differ only in them share a region: `layer` names a KV-cache slot, sparse_down's `sparsity`
+# is its measured sparsity (a kernel's hint). Other ops keep every keyword as it is.
+_HINTS = {ops.attention: ("layer",), kv_quant_attention: ("layer",), linear_attention: ("layer",),
+          sparse_down: ("sparsity",)}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -72,7 +81,8 @@ def _segment_module(root: torch.nn.Module, nodes: list[torch.fx.Node], outputs: 
             if a not in inside:
                 arg(a)
         new = g.node_copy(n, lambda a: env[a] if a in env else arg(a))
-        new.kwargs = {**new.kwargs, **{k: 0 for k in _HINTS if k in new.kwargs}}
+        hints = _HINTS.get(new.target, ()) if ctx is not None else ()
+        new.kwargs = {**new.kwargs, **{k: 0 for k in hints if k in new.kwargs}}
         env[n] = new
     g.output(tuple(env[o] for o in outputs))
     for i, n in enumerate(x for x in g.nodes if x.op not in ("placeholder", "output")):
@@ -97,9 +107,13 @@ def regional(view: torch.fx.GraphModule) -> torch.fx.GraphModule:
     segs = {k: [n for n in calls if label[n] == k] for k in layers}
     # the last layer's label also takes what follows it (the final norm): the nodes past the
     # length of the layer before are the epilogue, computed outside the regions
-    last, before = layers[-1], segs[layers[-2]]
-    epilogue = segs[last][len(before):]
-    segs[last] = segs[last][:len(before)]
+    last, cut = layers[-1], len(segs[layers[-2]])
+    head = set(segs[last][:cut])
+    while cut and any(_is_getitem(u) and u not in head for n in head for u in n.users):
+        head.discard(segs[last][cut - 1])   # a region returns tensors: no tuple crosses the cut
+        cut -= 1
+    epilogue = segs[last][cut:]
+    segs[last] = segs[last][:cut]
     regions: dict[str, str] = {}   # canonical code -> the submodule that runs it
     holder = torch.nn.Module()
     out = torch.fx.Graph()
@@ -109,6 +123,8 @@ def regional(view: torch.fx.GraphModule) -> torch.fx.GraphModule:
             env[n] = out.node_copy(n, lambda a: env[a])
     for k in layers:
         nodes = segs[k]
+        if not nodes:
+            continue
         inside = set(nodes)
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
         gm, inputs, code = _segment_module(view, nodes, outputs, ctx)
@@ -119,6 +135,8 @@ def regional(view: torch.fx.GraphModule) -> torch.fx.GraphModule:
         res = out.call_module(name, tuple(env[a] for a in inputs))
         for i, o in enumerate(outputs):
             env[o] = out.call_function(_item, (res, i))
+    if ctx is not None:   # the regions dropped it: a call with a cache must not pass unnoticed
+        out.call_function(_no_cache, (env[ctx],))
     for n in epilogue + [n for n in g.nodes if n.op == "output"]:
         env[n] = out.node_copy(n, lambda a: env[a])
     out.lint()
@@ -134,16 +152,22 @@ class _Region(torch.nn.Module):
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__()
-        self.fn = torch.compiler.nested_compile_region(_call(gm))
+        self.gm = gm
+        # the segment's own forward (each GraphModule has a class and code of its own): Dynamo
+        # reuses a nested region by its code object, so regions must not share a wrapper's
+        self.fn = torch.compiler.nested_compile_region(type(gm).forward)
 
     def forward(self, *args):
-        return self.fn(*args)
+        return self.fn(self.gm, *args)
 
 
-def _call(gm: torch.fx.GraphModule):
-    def region(*args):
-        return gm(*args)
-    return region
+def _no_cache(ctx) -> None:
+    if ctx is not None:
+        raise LlmaccelError("a heal view compiled by layer runs without a KV cache (ctx must be None)")
+
+
+def _is_getitem(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
 
 
 def _item(t: tuple, i: int):

@@ -250,10 +250,10 @@ class Trainer:
         self.params = params
         self._views = (heal_view(student, bool(hidden)), heal_view(teacher, bool(hidden)))
         self.regional = regional and backend is not None
+        self.compile_error: str | None = None
         self._build(backend)
         # a first step that fails to compile falls back to eager once (auto chose compilation)
         self.fallback = backend is not None
-        self.compile_error: str | None = None
         cuda = params[0].device.type == "cuda"
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **({"fused": True} if cuda else {}))
 
@@ -262,7 +262,12 @@ class Trainer:
         self.rows_fn = kl_rows
         if backend:
             if self.regional:   # each decoder layer traced and compiled once (heal_regions.py)
-                rs, rt = regional(s), regional(t)
+                try:
+                    rs, rt = regional(s), regional(t)
+                except Exception as e:  # noqa: BLE001 - cutting the graph failed: the whole graph
+                    self.compile_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                    self.log(f"heal: cutting the graph by layer failed ({self.compile_error}); compiling the whole graph")
+                    rs, rt = s, t
                 # no layers to share, or a torch without nested compile regions: the whole graph
                 self.regional = rs is not s and rt is not t
                 s, t = (rs, rt) if self.regional else (s, t)
@@ -302,7 +307,9 @@ class Trainer:
         except torch._dynamo.exc.TorchDynamoException as e:
             if not self.fallback:
                 raise
-            self.compile_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            # the first failure (by layer) stays in the report beside the second (whole graph)
+            self.compile_error = error if self.compile_error is None else f"{self.compile_error}; then {error}"
             if self.regional:   # the whole graph at once, as without heal.regional
                 self.log(f"heal: compiling by layer failed ({self.compile_error}); compiling the whole graph")
                 self.regional = False

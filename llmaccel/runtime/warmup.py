@@ -54,7 +54,7 @@ def warm_up(llm, context: int, progress: bool, modes: tuple[str, ...] | None = N
     """LLM.warmup's work (it runs in inference mode, as steps do)."""
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
-    modes = WARM_MODES if modes is None else tuple(modes)
+    modes = WARM_MODES if modes is None else tuple(dict.fromkeys(modes))
     if not modes or any(m not in WARM_MODES for m in modes):
         raise LlmaccelError(f"warm-up modes must be some of {', '.join(WARM_MODES)}, got {modes!r}")
     t0 = time.perf_counter()

@@ -63,7 +63,8 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
             while begin is not None and not begin.wait(0.05):
                 if stop is not None and stop.is_set():
                     break
-            return None, _stream(llm, prompts, params, deliver, stop, seqs, t0)
+            # the rate counts sampling from here: not the start-up, nor the wait for `begin`
+            return None, _stream(llm, prompts, params, deliver, stop, seqs, time.perf_counter())
     finally:
         if ready is not None:
             ready.set()  # also when the engine failed to start: the caller must not wait on it

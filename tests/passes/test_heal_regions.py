@@ -46,6 +46,43 @@ def test_regions_compute_what_the_flat_view_computes(make, passes):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+def _four_layers_fused():
+    import llmaccel.compiler.presets as presets
+    from llmaccel.compiler.pipeline import compile as compile_model
+
+    cfg = dataclasses.replace(PRESETS["tiny-llama"], n_layers=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(presets.PRESETS, "tiny-llama-4", cfg)
+        mp.setitem(presets._STD, "tiny-llama-4", 0.15)
+        return compile_model("preset:tiny-llama-4", ["fuse"], {}, eval_tokens=0, progress=False).gm
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_distinct_regions_each_run_their_own_code(backend):
+    """A fused graph with the hidden output cuts into several regions whose inputs look alike
+    (same shapes and dtypes): compiled, each must still run its own segment."""
+    view, _ = heal_view(_four_layers_fused(), True)
+    reg = regional(view)
+    assert reg.regions >= 2
+    ids = _ids()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = view(ids, pos, None)
+        got = torch.compile(reg, backend=backend, fullgraph=True, dynamic=False)(ids, pos, None)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_a_view_by_layer_refuses_a_cache():
+    from llmaccel.errors import LlmaccelError
+
+    view, _ = heal_view(_four_layers(), False)
+    ids = _ids()
+    with pytest.raises(LlmaccelError, match="without a KV cache"):
+        regional(view)(ids, torch.arange(ids.shape[1]).expand_as(ids), object())
+
+
 def test_alike_layers_share_one_region_and_the_final_norm_stays_outside():
     view, _ = heal_view(_four_layers(), False)
     reg = regional(view)
