@@ -54,9 +54,9 @@ def _sample_batch(model) -> int:
 
 @dataclass
 class HealConfig:
-    # On a CPU a SmolLM2-135M step of 2 x 64 tokens costs ~28 CPU-seconds (measured), so the 40
-    # default steps take ~10 min on an idle 2-core machine. On a GPU use thousands of steps or a
-    # `minutes` budget (scripts/gpu_heal.sh).
+    # On a CPU a SmolLM2-135M step of 2 x 64 tokens takes ~1.2 s on an idle 2-core machine
+    # (measured 2026-12-03), so the 40 default steps take under a minute: a smoke test, not a
+    # heal. On a GPU use thousands of steps or a `minutes` budget (scripts/gpu_heal.sh).
     steps: int = 40
     lr: float = 5e-4
     seq_len: int = 0         # tokens per window; 0 = 512 on CUDA, 64 elsewhere
