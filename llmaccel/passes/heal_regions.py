@@ -15,15 +15,15 @@ a kernel hint).
 """
 from __future__ import annotations
 
-import re
-
 import operator
+import re
 
 import torch
 import torch.fx
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
+from llmaccel.ir import is_op
 from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import linear_attention
 from llmaccel.ops.sparse import sparse_down
@@ -64,9 +64,8 @@ def _segment_module(root: torch.nn.Module, nodes: list[torch.fx.Node], outputs: 
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node | None] = {}
     inputs: list[torch.fx.Node] = []
-    inside = set(nodes)
 
-    def arg(a: torch.fx.Node):
+    def arg(a: torch.fx.Node):   # a node of the segment (copied before), or an input
         if a in env:
             return env[a]
         if a is ctx:   # no cache in a heal view
@@ -77,10 +76,7 @@ def _segment_module(root: torch.nn.Module, nodes: list[torch.fx.Node], outputs: 
         return env[a]
 
     for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside:
-                arg(a)
-        new = g.node_copy(n, lambda a: env[a] if a in env else arg(a))
+        new = g.node_copy(n, arg)
         hints = _HINTS.get(new.target, ()) if ctx is not None else ()
         new.kwargs = {**new.kwargs, **{k: 0 for k in hints if k in new.kwargs}}
         env[n] = new
@@ -109,7 +105,7 @@ def regional(view: torch.fx.GraphModule) -> torch.fx.GraphModule:
     # length of the layer before are the epilogue, computed outside the regions
     last, cut = layers[-1], len(segs[layers[-2]])
     head = set(segs[last][:cut])
-    while cut and any(_is_getitem(u) and u not in head for n in head for u in n.users):
+    while cut and any(is_op(u, operator.getitem) and u not in head for n in head for u in n.users):
         head.discard(segs[last][cut - 1])   # a region returns tensors: no tuple crosses the cut
         cut -= 1
     epilogue = segs[last][cut:]
@@ -164,10 +160,6 @@ class _Region(torch.nn.Module):
 def _no_cache(ctx) -> None:
     if ctx is not None:
         raise LlmaccelError("a heal view compiled by layer runs without a KV cache (ctx must be None)")
-
-
-def _is_getitem(n: torch.fx.Node) -> bool:
-    return n.op == "call_function" and n.target is operator.getitem
 
 
 def _item(t: tuple, i: int):

@@ -270,7 +270,8 @@ class Trainer:
                     rs, rt = s, t
                 # no layers to share, or a torch without nested compile regions: the whole graph
                 self.regional = rs is not s and rt is not t
-                s, t = (rs, rt) if self.regional else (s, t)
+                if self.regional:
+                    s, t = rs, rt
             s = torch.compile(s, backend=backend, fullgraph=True, dynamic=False)
             t = torch.compile(t, backend=backend, fullgraph=True, dynamic=False)
             self.rows_fn = torch.compile(kl_rows, backend=backend, fullgraph=True)

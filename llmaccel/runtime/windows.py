@@ -89,8 +89,10 @@ def _stream(llm, prompts, params, deliver, stop, seqs: int, t0: float) -> dict:
         while todo and len(live) < 2 * seqs:
             live.append(llm.add_request(*todo.pop()))
         llm.step()
-        for s in [s for s in live if s.finished]:
-            live.remove(s)
+        ended = [s for s in live if s.finished]
+        if ended:   # one pass over the live requests (512 of them), not a removal per request
+            live = [s for s in live if not s.finished]
+        for s in ended:
             out = llm.output(s)
             if out.finish_reason != "length":
                 raise LlmaccelError(f"heal: sampling a training window failed: {out.error or out.finish_reason}")
