@@ -12,7 +12,9 @@ by the device-to-device copy bandwidth measured in the run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import resource
+import tempfile
 import time
 
 import torch
@@ -99,7 +101,47 @@ def profile_decode(llm, ids, params, steps: int = 16) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(ids, short)
         torch.cuda.synchronize()
-    return kernel_table(prof, steps)
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(f"{d}/trace.json")
+        with open(f"{d}/trace.json") as f:
+            trace = json.load(f)
+    acts = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return {**kernel_table(prof, steps), **decode_timeline(acts, steps - 1)}
+
+
+def decode_timeline(acts: list[tuple[str, float, float]], steps: int, top: int = 5) -> dict:
+    """Where a decode step's wall time goes on the GPU, from its activities (name, start us,
+    duration us): the decode phase runs from the end of the last prefill kernel (the whole
+    span without one) to the end of the last activity; busy is the union of the activities'
+    intervals there (kernels launched early by PDL overlap the one before), idle the rest: time
+    the GPU waited for the host. The largest idle spans are summed by the pair of activities
+    around them."""
+    if not acts or steps < 1:
+        return {}
+    acts = sorted(acts, key=lambda a: a[1])
+    pre = [a[1] + a[2] for a in acts if "prefill" in a[0]]
+    t0 = max(pre) if pre else acts[0][1]
+    end = max(a[1] + a[2] for a in acts)
+    busy, cur_end, prev, gaps = 0.0, t0, "prefill" if pre else None, {}
+    for name, ts, dur in acts:
+        e = ts + dur
+        if e <= t0:
+            continue
+        s = max(ts, t0)
+        if s > cur_end:
+            g = gaps.setdefault((prev, name), [0, 0.0])
+            g[0] += 1
+            g[1] += s - cur_end
+        if e > cur_end:
+            busy += e - max(s, cur_end)
+            cur_end, prev = e, name
+    wall = end - t0
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"decode_wall_ms_per_step": wall / 1e3 / steps, "decode_busy_ms_per_step": busy / 1e3 / steps,
+            "decode_idle_ms_per_step": (wall - busy) / 1e3 / steps,
+            "decode_idle_gaps": [{"after": (a or "-")[:60], "before": b[:60], "count": n,
+                                  "us_per_step": round(us / steps, 2)} for (a, b), (n, us) in worst]}
 
 
 def kernel_table(prof, steps: int) -> dict:
@@ -252,4 +294,7 @@ def render(res: dict) -> str:
     if "kernels_per_step" in res:
         lines.append(f"  profile  {res['kernels_per_step']:10.1f} kernels/step, GPU busy "
                      f"{res['gpu_ms_per_step']:.3f} ms/step")
+    if "decode_wall_ms_per_step" in res:
+        lines.append(f"  timeline {res['decode_wall_ms_per_step']:10.3f} ms/decode step profiled: GPU busy "
+                     f"{res['decode_busy_ms_per_step']:.3f}, idle {res['decode_idle_ms_per_step']:.3f}")
     return "\n".join(lines)

@@ -274,10 +274,12 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     return out
 
 
-def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int) -> int:
-    """How many splits of the context: enough programs to fill the GPU, none shorter than 256."""
+def decode_splits(S: int, Hkv: int, max_len: int, block_n: int, num_sms: int,
+                  min_len: int = 256) -> int:
+    """How many splits of the context: enough programs to fill the GPU, none shorter than
+    min_len tokens (nor one tile) of the widest context max_len."""
     want = cdiv(2 * num_sms, max(1, S * Hkv))
-    return max(1, min(want, cdiv(max_len, max(256, block_n))))
+    return max(1, min(want, cdiv(max_len, max(min_len, block_n))))
 
 
 def split_plan(q: torch.Tensor, n_kv: int, max_len: int, block_n: int,

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from llmaccel.kernels import pdl_enabled, registered, unit_stride
-from llmaccel.kernels.paged_attention import paged_decode_ref, write_kv_ref
+from llmaccel.kernels import pdl_enabled, registered, sm_count, unit_stride
+from llmaccel.kernels.paged_attention import decode_splits, paged_decode_ref, write_kv_ref
 
 try:
     import triton
@@ -65,7 +65,7 @@ if triton is not None:
     from triton.language.extra import cuda as _tl_cuda
 
     from llmaccel.kernels.paged_attention import (_group_queries, _softmax_block, _softmax_init,
-                                                  _softmax_result, merge_splits, split_plan)
+                                                  _softmax_result, merge_splits)
 
     @triton.jit
     def _rotate(x, X, rows, s_row, offs_d, ok, c, s, D: tl.constexpr):
@@ -101,7 +101,7 @@ if triton is not None:
 
     @triton.jit
     def _paged_rope_decode_kernel(Q, K, V, KC, VC, POS, BT, O, MID_O, MID_LSE, COS, SIN, scale,
-                                  split_len, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_blk, sc_s, sc_h,
+                                  sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_blk, sc_s, sc_h,
                                   sbt, s_cos, so_b, so_h, smo_s, smo_h, smo_p, sml_s, sml_h,
                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,6 +111,9 @@ if triton is not None:
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         P = tl.load(POS + b).to(tl.int32)
+        # The splits share this row's keys 0 .. P in whole tiles: their count is fixed by the
+        # shape (a captured graph keeps it) while the context they divide grows.
+        split_len = tl.cdiv(tl.cdiv(P + 1, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         start = sp * split_len
         stop = tl.minimum(start + split_len, P)  # cached keys of this split: [start, stop)
         dt = Q.dtype.element_ty
@@ -185,6 +188,14 @@ def _check(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin):
         raise ValueError(f"paged rope decode: rope tables {tuple(cos.shape)} do not fit head_dim {D}")
 
 
+def decode_block_n(B: int, block_d: int) -> int:
+    """Keys a tile. 128 at head_dim 64: 15% less time than 64 on the H200 over 1-256 rows of
+    128-1,536 tokens (B=256: 151 -> 137 us, 3.5 TB/s; docs/results/h200-2026-12-02-attn.json).
+    At head_dim 128, 64 at one row (llama2-7b: 6.4 us against 7.3 with 32, three splits;
+    docs/results/h200-2026-11-30-attn-probe-7b.json), 32 at more rows."""
+    return 128 if block_d <= 64 else (64 if B == 1 else 32)
+
+
 def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
                              num_splits: int | None = None, block_n: int | None = None,
                              num_warps: int = 4, num_stages: int = 3,
@@ -205,10 +216,10 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     if B == 0:
         return out
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    # 128 keys a block at head_dim 64: 15% less time than 64 on the H200 over 1-256 rows of
-    # 128-1,536 tokens (B=256: 151 -> 137 us, 3.5 TB/s; docs/results/h200-2026-12-02-attn.json)
-    BLOCK_N = block_n or (128 if BLOCK_D <= 64 else 32)
-    n, split_len = split_plan(q, Hkv, block_tables.shape[1] * BS, BLOCK_N, num_splits)
+    BLOCK_N = block_n or decode_block_n(B, BLOCK_D)
+    # splits as short as one tile: the kernel sizes them to each row's context
+    n = num_splits or decode_splits(B, Hkv, block_tables.shape[1] * BS, BLOCK_N, sm_count(q.device),
+                                    min_len=BLOCK_N)
     if n > 1:
         mid_o = torch.empty((B, H, n, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, n), dtype=torch.float32, device=q.device)
@@ -218,7 +229,7 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     if pdl is None:
         pdl = B == 1 and pdl_enabled(q)
     _paged_rope_decode_kernel[(B, Hkv, n)](
-        q, k, v, k_cache, v_cache, pos, block_tables, out, mid_o, mid_lse, cos, sin, scale, split_len,
+        q, k, v, k_cache, v_cache, pos, block_tables, out, mid_o, mid_lse, cos, sin, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from llmaccel.bench import cli as bench_cli
-from llmaccel.bench.run import kv_bytes_per_step, weight_bytes_per_step
+from llmaccel.bench.run import decode_timeline, kv_bytes_per_step, weight_bytes_per_step
 from llmaccel.compiler.model import load
 
 ARGS = ["preset:tiny-llama", "--batch", "2", "--prompt-len", "6", "--gen-len", "5", "--warmup", "1",
@@ -51,3 +51,18 @@ def test_bytes_per_step(src):
     skip += c.max_position * c.hidden_size * 4 if c.family == "gpt2" else 0
     assert weight_bytes_per_step(m.gm) == total - skip
     assert kv_bytes_per_step(m.gm, 3, 10, 2) == c.n_layers * 2 * 3 * c.n_kv_heads * c.head_dim * 10 * 2
+
+
+def test_decode_timeline_splits_busy_and_idle():
+    # prefill ends at 10; two decode steps: overlapping kernels (PDL) count once, the gaps
+    # after the memcpy are where the GPU waited for the host
+    acts = [("_paged_prefill_kernel", 0.0, 10.0), ("gemv", 10.0, 5.0), ("attn", 14.0, 4.0),
+            ("Memcpy DtoH", 18.0, 1.0), ("gemv", 25.0, 5.0), ("attn", 30.0, 2.0),
+            ("Memcpy DtoH", 32.0, 1.0), ("gemv", 36.0, 4.0)]
+    t = decode_timeline(acts, steps=2)
+    assert t["decode_wall_ms_per_step"] == pytest.approx(30.0 / 1e3 / 2)
+    assert t["decode_busy_ms_per_step"] == pytest.approx(21.0 / 1e3 / 2)
+    assert t["decode_idle_ms_per_step"] == pytest.approx(9.0 / 1e3 / 2)
+    top = t["decode_idle_gaps"][0]
+    assert (top["after"], top["before"], top["count"], top["us_per_step"]) == ("Memcpy DtoH", "gemv", 2, 4.5)
+    assert decode_timeline([], 3) == {}

@@ -99,3 +99,17 @@ def test_triton_several_tiles_and_empty_splits(splits, peel):
                                                              peel=peel), c, True)
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=0)
     assert torch.equal(vc, vc_w)
+
+
+@pytest.mark.skipif(pr.triton is None, reason="triton not installed")
+@pytest.mark.parametrize("splits", [2, 5])
+def test_triton_splits_share_each_rows_context(splits):
+    """The kernel sizes the splits to each row's position (whole tiles of 16): rows of 1-95
+    keys over 2 or 5 splits, several tiles a split on the long rows, none on the short ones'
+    last splits; the split that owns the position writes the new key."""
+    c = make_case([0, 9, 47, 48, 94, 95], H=4, Hkv=2, D=16, bs=4, width=24, dtype=torch.float32, seed=3)
+    want, kc_w, vc_w = run(pr.paged_rope_decode_ref, c, True)
+    got, kc, vc = run(lambda *a: pr.paged_rope_decode_triton(*a, num_splits=splits, block_n=16), c, True)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(kc, kc_w, atol=TOL[torch.float32], rtol=0)
+    assert torch.equal(vc, vc_w)

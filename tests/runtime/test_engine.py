@@ -75,6 +75,19 @@ def test_graphs_from_exact_and_weight_passes_run(prompts):
     assert [o.token_ids for o in LLM(m, block_size=4).generate(prompts[:3], GREEDY)] == want
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_lm_head_runs_on_the_sampled_rows_only(prompts, bits):
+    from llmaccel import compile
+    from llmaccel.runtime.graph import runtime_graph
+
+    m = compile("preset:tiny-llama", ["fuse", "quant"],
+                {"quant": {"bits": bits, "group_size": 32, "method": "rtn", "lm_head": True}},
+                eval_tokens=0, progress=False)
+    assert getattr(runtime_graph(m.gm), "selects_rows", False)
+    want = [list(m.generate_ids(p, GREEDY)) for p in prompts[:3]]
+    assert [o.token_ids for o in LLM(m, block_size=4).generate(prompts[:3], GREEDY)] == want
+
+
 def test_too_long_prompts_fail_alone(tiny, prompts, reference):
     llm = LLM(tiny, kv_cache_tokens=64, block_size=8)
     outs = llm.generate([prompts[0], [5] * 600, [5] * 80, prompts[1]], GREEDY)
