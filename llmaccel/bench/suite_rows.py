@@ -118,8 +118,9 @@ def _spec(draft: str | None):
 
 
 def _w4(group: int) -> list[str]:
+    """The LM head in int4 too (its own copy of the tied embedding), as in the goal's figure."""
     return ["--passes", "fuse,quant", "--set", "quant.bits=4", "--set", f"quant.group_size={group}",
-            "--set", "quant.method=rtn"]
+            "--set", "quant.method=rtn", "--set", "quant.lm_head=true"]
 
 def _w4_compile(o: Options, row: str) -> list[Job]:
     """`llmc compile SRC --passes quant` with its defaults (4 bits, awq+gptq, 128 calibration

@@ -29,7 +29,7 @@ GOALS = [
          "llmc_smollm2-135m_bs1"),
     Goal("llama-1b bs64", "llmc_llama-1b_bs64", "fast_llama-1b_bs64", 40_000),
     Goal("llama-1b bs64 sampled", "llmc_llama-1b_bs64_sampled", "fast_llama-1b_bs64", None, "llmc_llama-1b_bs64"),
-    Goal("llama-1b W4 g128 bs1", "llmc_llama-1b-int4_bs1", "fast_llama-1b_bs1", 1289),
+    Goal("llama-1b W4 int4-head bs1", "llmc_llama-1b-int4_bs1", "fast_llama-1b_bs1", 1289),
     Goal("llama2-7b bs1", "llmc_llama2-7b_bs1", "fast_llama2-7b_bs1", 270),
 ]
 
