@@ -104,6 +104,14 @@ class _Buffers:
         self.lp = torch.zeros(B, MAX_STEPS, dtype=torch.float32, **z) if top >= 0 else None
         self.top_ids = torch.zeros(B, MAX_STEPS, max(top, 0), dtype=torch.int64, **z) if top > 0 else None
         self.top_lp = torch.zeros(B, MAX_STEPS, max(top, 0), dtype=torch.float32, **z) if top > 0 else None
+        # host copies of the outputs, two so that a group's copy lands while the host still
+        # reads the one before (DecodeRunner.early); made on first use
+        self.host: list[dict | None] = [None, None]
+        self.slot = 0
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        return {k: t for k, t in (("out", self.out), ("lp", self.lp), ("top_ids", self.top_ids),
+                                  ("top_lp", self.top_lp)) if t is not None}
 
 
 def _forward(gm, cache: PagedKVCache, buf: _Buffers) -> torch.Tensor:
@@ -150,6 +158,8 @@ class Group:
     n_rows: int
     n: int
     ends: list[int]  # each row's position after the group (0: a row made padding)
+    host: dict | None = None  # its outputs copied to host memory behind it (early), and
+    done: object = None       # the event that copy completes (CUDA)
 
 
 WARM_MODES = ("greedy", "sample", "filter")  # every sampling mode a request can ask for
@@ -182,6 +192,11 @@ class DecodeRunner:
         self.relaunches = 0  # groups launched from the device state of the one before
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why
         self.capture_s = 0.0  # seconds in first uses of shapes: compiles and captures
+        # early: each group's outputs are copied to host memory behind it, so the next group
+        # may be launched before the host reads them (the GPU then never waits for the host
+        # between groups). With CUDA graphs, where launching costs the host little; eager
+        # sub-steps run as they are launched, and would delay the tokens just computed.
+        self.early = capture
 
     def bucket(self, n: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) shape that takes n rows of tables up to width blocks."""
@@ -279,7 +294,7 @@ class DecodeRunner:
         table covering the row's position after `grp` plus n_steps; rows with None (and the
         padding rows) become padding rows (token 0 at position 0 on the scratch block), so no
         row's position outgrows the shape. Call after collect(grp), whose outputs this
-        overwrites. None when a table no longer fits the shape's width."""
+        overwrites, or with `early` before it. None when a table no longer fits the shape's width."""
         if not 1 <= n_steps <= MAX_STEPS:
             raise ValueError(f"n_steps must be in 1..{MAX_STEPS}, got {n_steps}")
         buf, bs = grp.buf, self.cache.block_size
@@ -309,17 +324,42 @@ class DecodeRunner:
             else:
                 grp.graph.replay()
         self.replays += grp.n if grp.graph is not None else 0
+        if self.early:
+            grp.host, grp.done = self._copy_out(grp.buf)
+
+    def _copy_out(self, buf: _Buffers):
+        """The buffers' outputs copied, in stream order, to the host slot after the last one
+        used (pinned on CUDA, so the copy does not wait for the host), and its event."""
+        cuda = self.device.type == "cuda"
+        s, buf.slot = buf.slot, buf.slot ^ 1
+        if buf.host[s] is None:
+            buf.host[s] = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+                           for k, t in buf.outputs().items()}
+        dst = buf.host[s]
+        for k, t in buf.outputs().items():
+            dst[k].copy_(t, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return dst, done
 
     def collect(self, grp: Group):
         """(n new tokens per row, their logprobs or None) of a launched group: waits for it."""
-        buf, n, k = grp.buf, grp.n_rows, grp.n
-        toks = buf.out[:n, :k].tolist()
-        if buf.top < 0:
+        n, k = grp.n_rows, grp.n
+        if grp.host is not None:
+            if grp.done is not None:
+                grp.done.synchronize()
+            got = grp.host
+        else:
+            got = grp.buf.outputs()
+        toks = got["out"][:n, :k].tolist()
+        if "lp" not in got:
             return toks, None
-        lp = buf.lp[:n, :k].tolist()
-        if buf.top == 0:
+        lp = got["lp"][:n, :k].tolist()
+        if "top_ids" not in got:
             return toks, [logprob_pairs(row) for row in lp]
-        ids, vals = buf.top_ids[:n, :k].tolist(), buf.top_lp[:n, :k].tolist()
+        ids, vals = got["top_ids"][:n, :k].tolist(), got["top_lp"][:n, :k].tolist()
         return toks, [logprob_pairs(*r) for r in zip(lp, ids, vals)]
 
     def _tables(self, B: int, W: int, tables: dict[int, list[int]]) -> torch.Tensor:

@@ -34,12 +34,17 @@ class DecodeSteps:
         return True
 
     def _resolve(self, seqs: list[Sequence], grp) -> None:
-        """Wait for a decode group, launch the next one for the same rows where nothing else
-        waits (so the GPU computes it while the host does this group's bookkeeping and the
-        caller its own work: the next step() resolves it), then apply this group's tokens to
-        the rows still running."""
+        """Launch the next decode group for the same rows where nothing else waits (so the GPU
+        computes it while the host does this group's bookkeeping and the caller its own work:
+        the next step() resolves it), wait for this group, then apply its tokens to the rows
+        still running. The next group is launched before the wait where the runner copies
+        each group's outputs apart (`early`: the GPU goes from one group to the next without
+        waiting for the host), else after it."""
+        early = self.runner.early
+        nxt = self._continue(seqs, grp) if early else None
         toks_all, lps_all = self.runner.collect(grp)
-        nxt = self._continue(seqs, grp)
+        if not early:
+            nxt = self._continue(seqs, grp)
         n, bm = grp.n, self.bm
         self.stats["decode_steps"] += n
         self.stats["decode_row_steps"] += n * sum(1 for e in grp.ends if e)  # rows made padding: 0

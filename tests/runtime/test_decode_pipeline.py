@@ -6,6 +6,40 @@ import pytest
 import torch
 
 from llmaccel import LLM, SamplingParams
+from llmaccel.runtime.decode import DecodeRunner
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["launch-after-collect", "launch-before-collect"])
+def early(request, monkeypatch):
+    """Every test both ways: the next group launched after the host read the last one's
+    tokens (eager sub-steps, the CPU), and before (`early`: CUDA graphs), the outputs then
+    read from their host copies."""
+    init = DecodeRunner.__init__
+
+    def with_early(self, *a, **kw):
+        init(self, *a, **kw)
+        self.early = request.param
+    monkeypatch.setattr(DecodeRunner, "__init__", with_early)
+    return request.param
+
+
+def test_early_launches_the_next_group_before_reading_the_last(tiny, prompts, early):
+    llm = LLM(tiny, max_num_seqs=8)
+    r, log = llm.runner, []
+    collect, relaunch = r.collect, r.relaunch
+    r.collect = lambda grp: (log.append(("collect", id(grp))), collect(grp))[1]
+
+    def logged(grp, *a):
+        nxt = relaunch(grp, *a)
+        log.append(("relaunch", id(grp)))
+        return nxt
+    r.relaunch = logged
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    outs = llm.generate(prompts[:3], params)
+    pairs = [(log.index(("relaunch", g)), log.index(("collect", g))) for kind, g in log if kind == "relaunch"]
+    assert pairs and all((a < b) == early for a, b in pairs)
+    for p, o in zip(prompts[:3], outs):
+        assert o.token_ids == list(tiny.generate_ids(p, params))
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +149,18 @@ def test_a_failure_in_the_bookkeeping_does_not_leave_a_group_running_ahead(tiny,
     # the rows after it, whose tokens were not applied, go on from their host state
     for s, p in zip(seqs[:1] + seqs[2:], prompts[:1] + prompts[2:4]):
         assert s.output_ids == list(tiny.generate_ids(p, long))
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_pipelined_logprobs_follow_the_reference_logits(tiny, prompts, top):
+    p = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=top)
+    llm = LLM(tiny, max_num_seqs=4)
+    outs = llm.generate(prompts[:3], p)
+    assert llm.runner.relaunches > 0
+    for prompt, o in zip(prompts[:3], outs):
+        assert len(o.logprobs) == len(o.token_ids) == 20
+        ls = torch.log_softmax(tiny.logits(torch.tensor([prompt + o.token_ids]))[0].float(), -1)
+        for j, (t, e) in enumerate(zip(o.token_ids, o.logprobs)):
+            want = ls[len(prompt) - 1 + j]
+            assert e["token"] == t and abs(e["logprob"] - float(want[t])) < 1e-4
+            assert len(e["top"]) == top and (not top or e["top"][0][0] == t)
