@@ -12,8 +12,8 @@ split merge) for a decode step of the runtime.
 
 Without it a decode layer spends the rotation's pointwise kernels, two index_copy_ writes and
 the attention (docs/runtime.md); at one row on small models, launches are the cost. The Triton
-kernel reads the cache through the block table: cached slots 0 .. pos - 1 split into parts run
-in parallel and merged by log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
+kernel reads the cache through the block table: cached slots 0 .. pos - 1 split into parts (each
+a share of the row's own context, in whole tiles) run in parallel and merged by log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
 also stores them; no program reads that slot, so there is no race). The split count depends on
 the table width only, so a captured CUDA graph stays valid as positions advance within it.
 CPU implementation: the reference; CUDA: Triton.

@@ -104,7 +104,8 @@ class HealConfig:
     # Compile each decoder layer once and reuse it for the alike layers (heal_regions.py: nested
     # compile regions) instead of the whole graph. 2-core CPU, SmolLM2-135M shapes, Inductor:
     # first step 80 -> 39 s but later steps ~10% slower; sla 190 -> 62 s, later steps no slower.
-    # Not yet measured on a GPU.
+    # Off by default: on an H200 (gqa) the first step was no faster (65 s) and later steps ~27%
+    # slower (91,200 tok/s against 124,200+; docs/quality.md).
     regional: bool = False
     kl_chunk: int = 4096     # rows of (rows, vocab) logits alive at once in the loss (0 = all)
 

@@ -332,11 +332,11 @@ class DecodeRunner:
         used (pinned on CUDA, so the copy does not wait for the host), and its event."""
         cuda = self.device.type == "cuda"
         s, buf.slot = buf.slot, buf.slot ^ 1
+        src = buf.outputs()
         if buf.host[s] is None:
-            buf.host[s] = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-                           for k, t in buf.outputs().items()}
+            buf.host[s] = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for k, t in src.items()}
         dst = buf.host[s]
-        for k, t in buf.outputs().items():
+        for k, t in src.items():
             dst[k].copy_(t, non_blocking=cuda)
         done = None
         if cuda:

@@ -7,6 +7,7 @@ import torch
 
 from llmaccel import LLM, SamplingParams
 from llmaccel.runtime.decode import DecodeRunner
+from tests.runtime.conftest import check_logprobs
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["launch-after-collect", "launch-before-collect"])
@@ -157,10 +158,4 @@ def test_pipelined_logprobs_follow_the_reference_logits(tiny, prompts, top):
     llm = LLM(tiny, max_num_seqs=4)
     outs = llm.generate(prompts[:3], p)
     assert llm.runner.relaunches > 0
-    for prompt, o in zip(prompts[:3], outs):
-        assert len(o.logprobs) == len(o.token_ids) == 20
-        ls = torch.log_softmax(tiny.logits(torch.tensor([prompt + o.token_ids]))[0].float(), -1)
-        for j, (t, e) in enumerate(zip(o.token_ids, o.logprobs)):
-            want = ls[len(prompt) - 1 + j]
-            assert e["token"] == t and abs(e["logprob"] - float(want[t])) < 1e-4
-            assert len(e["top"]) == top and (not top or e["top"][0][0] == t)
+    check_logprobs(tiny, prompts[:3], outs, top=top, n=20)

@@ -9,6 +9,7 @@ from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.graph import layerskip_draft
 from llmaccel.runtime.sequence import Sequence
 from llmaccel.runtime.speculative import verify
+from tests.runtime.conftest import check_logprobs
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -495,14 +496,7 @@ def test_logprobs_follow_the_reference_logits(tiny, prompts, kw):
     log-softmax at its position, and the top list starts with the token itself."""
     p = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
     outs = LLM(tiny, **kw).generate(prompts[:3], p)
-    for prompt, o in zip(prompts[:3], outs):
-        assert len(o.logprobs) == len(o.token_ids) == 10
-        ls = torch.log_softmax(tiny.logits(torch.tensor([prompt + o.token_ids]))[0].float(), -1)
-        for j, (t, e) in enumerate(zip(o.token_ids, o.logprobs)):
-            want = ls[len(prompt) - 1 + j]
-            assert e["token"] == t and abs(e["logprob"] - float(want[t])) < 1e-4
-            assert len(e["top"]) == 3 and e["top"][0][0] == t
-            assert abs(e["top"][2][1] - float(want.topk(3).values[2])) < 1e-4
+    check_logprobs(tiny, prompts[:3], outs, top=3, n=10)
     assert LLM(tiny).generate(prompts[:1], GREEDY)[0].logprobs is None
     with pytest.raises(Exception, match="logprobs must be in 0..20"):
         SamplingParams(logprobs=21)
