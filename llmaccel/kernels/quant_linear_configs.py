@@ -83,9 +83,9 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = 
     no spills); TUNED[device] holds what a sweep on that device measured. `asm`: bf16 on CUDA, where the
     PTX-dequantizing tensor-core kernel (about 7-9 instructions per weight byte against 11 for
     the fp32 GEMV) may be used."""
-    hit = TUNED.get(device, {}).get(("int4", N, K, group_size, batch_bucket(M)))
-    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] != "gemv") and \
-            (asm or hit["kernel"] != "dotasm"):
+    # the sweeps measured decode batches (1-16 rows): their tiles do not describe a prefill
+    hit = TUNED.get(device, {}).get(("int4", N, K, group_size, batch_bucket(M))) if M <= GEMV_MAX_M else None
+    if hit is not None and (asm or hit["kernel"] != "dotasm"):
         return dict(hit)
     G = cdiv(K, group_size)
     if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
@@ -93,10 +93,13 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = 
         split = _split_for(cdiv(N, bn), G, n_sm)
         return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
                     num_warps=warps, num_stages=3)
-    if M > GEMV_MAX_M:  # prefill: tensor-core tiles
-        bm = 32 if M <= 32 else 64
-        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=64, BLOCK_G=max(1, 64 // group_size),
-                    num_warps=4, num_stages=3)
+    if M > GEMV_MAX_M:
+        # prefill: tensor-core tiles of 128 rows (each weight tile dequantized once per 128 rows),
+        # 8 warps; the best of 14 tilings on the H200 at 128 and 1,024 rows of llama-1b's shapes
+        # (docs/results/h200-2026-12-03-int4-prefill.json)
+        bm = 32 if M <= 32 else 64 if M <= 64 else 128
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=128 if N >= 8192 else 64,
+                    BLOCK_G=max(1, 64 // group_size), num_warps=8 if bm == 128 else 4, num_stages=3)
     if M > 1:
         # The GEMV's per-row reductions cost more than the weight bytes from 2 rows on; tl.dot
         # with M padded to 16 dequantizes each code once whatever M is.
@@ -116,8 +119,8 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = 
 
 
 def int8_config(M: int, N: int, K: int, n_sm: int, device: str | None = None) -> dict:
-    hit = TUNED.get(device, {}).get(("int8", N, K, 0, batch_bucket(M)))
-    if hit is not None and (M <= GEMV_MAX_M or hit["kernel"] == "dot"):
+    hit = TUNED.get(device, {}).get(("int8", N, K, 0, batch_bucket(M))) if M <= GEMV_MAX_M else None
+    if hit is not None:
         return dict(hit)
     if M > 2 or K % 4:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64

@@ -159,3 +159,32 @@ def test_pipelined_logprobs_follow_the_reference_logits(tiny, prompts, top):
     outs = llm.generate(prompts[:3], p)
     assert llm.runner.relaunches > 0
     check_logprobs(tiny, prompts[:3], outs, top=top, n=20)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_pipelined_graph_groups_match_the_reference(prompts, early):
+    """CUDA graphs (fp32: no greedy ties): rows ending inside groups by max_tokens and by an
+    EOS, and seeded sampled rows, alone or batched, read from the host copies of their groups."""
+    from llmaccel import load
+
+    m = load("preset:tiny-llama", dtype=torch.float32, device="cuda")
+    params = [SamplingParams(max_tokens=5 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm = LLM(m, max_num_seqs=8)
+    assert llm.runner.capture and llm.runner.early == early
+    refs = [list(m.generate_ids(p, SamplingParams(max_tokens=41, ignore_eos=True))) for p in prompts]
+    outs = llm.generate(prompts, params)
+    assert llm.runner.relaunches > 0 and llm.metrics()["graph_steps"] > 0
+    assert [o.token_ids for o in outs] == [r[:sp.max_tokens] for r, sp in zip(refs, params)]
+    eos = next(r[i] for r in refs for i in range(9, 16) if r[i] not in r[:i])
+    llm.eos = {eos}
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30))
+    for r, o in zip(refs, outs):
+        cut = min(r.index(eos) if eos in r else 30, 30)
+        assert o.token_ids == r[:cut]
+    llm.eos = set()
+    sampled = [SamplingParams(max_tokens=7 + 5 * i, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+               for i in range(len(prompts))]
+    together = [o.token_ids for o in llm.generate(prompts, sampled)]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, sampled)]
+    assert together == alone
+    assert llm.metrics()["kv_blocks_used"] == 0
