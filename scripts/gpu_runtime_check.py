@@ -138,8 +138,8 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
             if s.id not in done and s.finished:
                 done[s.id] = now
     wall = time.perf_counter() - t0
-    for name in split["steps"]:
-        delattr(llm, name)  # the engine's own methods again
+    del llm._eager_step  # the engine's own method again
+    eager_s = _split_seconds(split)
     n_out = sum(s.n_output for s in seqs)
     tpot = [(done[s.id] - first[s.id]) / (s.n_output - 1) for s in seqs if s.n_output > 1]
     lengths_ok = all(s.n_output == o and s.finish_reason == "length" and s.error is None
@@ -167,10 +167,10 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
                 prompt_tokens=sum(len(p) for p in prompts), output_tok_s=round(n_out / wall, 1),
                 total_tok_s=round((n_out + sum(len(p) for p in prompts)) / wall, 1),
                 mean_tpot_ms=round(1000 * sum(tpot) / len(tpot), 2), steps=m["steps"] - steps0,
-                eager_steps=split["steps"]["_eager_step"], eager_s=round(split["s"]["_eager_step"], 3),
+                eager_steps=split["steps"], eager_s=round(eager_s, 3),
                 decode_calls=(llm.runner.launches + llm.runner.relaunches - split["groups0"])
                 if llm.runner is not None else 0,
-                decode_s=round(wall - split["s"]["_eager_step"], 3),
+                decode_s=round(wall - eager_s, 3),
                 preemptions=m["preemptions"], kv_blocks_total=m["kv_blocks_total"],
                 kv_blocks_peak=m["kv_blocks_peak"], lengths_ok=lengths_ok,
                 # a run without the teacher-forced check reports none of its figures
@@ -183,25 +183,41 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
 
 
 def _time_split(llm) -> dict:
-    """Wall time in the engine's mixed/prefill steps (each ends in a host copy of the new tokens,
-    so the synchronize adds nothing); the decode groups are counted by the runner and take the
-    rest of the wall (a group runs while the host does the last one's bookkeeping)."""
-    split = {"steps": {}, "s": {}}
+    """Time in the engine's prefill / mixed steps, taken without synchronizing: the engine reads
+    a step's tokens one step late, so that the host schedules and launches the next step while
+    the GPU runs this one, and a synchronize after each step would make the load measure that
+    wait. On CUDA an event pair around each step gives the GPU time from the end of the work
+    queued before it to the end of its own (summed by `_split_seconds` once the load is over);
+    on the CPU the host's time is the step's. The decode groups are counted by the runner and
+    take the rest of the wall."""
     r = llm.runner
-    split["groups0"] = (r.launches + r.relaunches) if r is not None else 0
-    for name in ("_eager_step",):
-        fn = getattr(llm, name)
-        split["steps"][name], split["s"][name] = 0, 0.0
+    split = {"steps": 0, "spans": [], "s": 0.0,
+             "groups0": (r.launches + r.relaunches) if r is not None else 0}
+    fn = llm._eager_step
+    cuda = torch.device(llm.device).type == "cuda"
 
-        def timed_fn(*a, _fn=fn, _name=name):
+    def timed_fn(*a):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*a)
+            end.record()
+            split["spans"].append((start, end))
+        else:
             t = time.perf_counter()
-            r = _fn(*a)
-            _sync(llm.device)
-            split["steps"][_name] += 1
-            split["s"][_name] += time.perf_counter() - t
-            return r
-        setattr(llm, name, timed_fn)
+            out = fn(*a)
+            split["s"] += time.perf_counter() - t
+        split["steps"] += 1
+        return out
+    llm._eager_step = timed_fn
     return split
+
+
+def _split_seconds(split: dict) -> float:
+    """The eager steps' seconds (after the load: the events have completed)."""
+    for _, end in split["spans"]:
+        end.synchronize()
+    return split["s"] + sum(a.elapsed_time(b) for a, b in split["spans"]) / 1e3
 
 
 def fp32_exact(n: int = 6) -> dict:
