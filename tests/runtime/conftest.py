@@ -1,6 +1,10 @@
 import pytest
 import torch
 
+from llmaccel import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -31,3 +35,16 @@ def tiny():
     """The tiny Llama preset, loaded once per test module."""
     from llmaccel import load
     return load("preset:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Six prompts of 1-40 tokens (a module may define its own)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 40, 12)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts):
+    """The reference executor's greedy tokens for `prompts`."""
+    return [list(tiny.generate_ids(p, GREEDY)) for p in prompts]
