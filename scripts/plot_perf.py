@@ -45,6 +45,7 @@ def main() -> None:
         if r[2]:
             ax.annotate(f"{r[2]:,.0f}", (x + 0.2, r[2] / r[3]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), [r[0] for r in rows])
+    ax.set_ylim(0, 1.3 * max(max(r[1], r[2] or 0) / r[3] for r in rows))  # room for the legend
     ax.set_ylabel("decode tok/s / goal")
     ax.set_title("Decode speed on one H200 (bf16, prompt 128, gen 256), tok/s on the bars")
     ax.legend(loc="upper right", fontsize=8)
