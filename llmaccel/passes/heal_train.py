@@ -237,6 +237,11 @@ def chunked_kl(hs: torch.Tensor, s_head: Head, ht: torch.Tensor, t_head: Head, *
                             chunk or hs.shape[0], dtype, rows_fn)
 
 
+def _why(e: Exception) -> str:
+    """A compile failure in one line for the report: its type and the start of its message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 class Trainer:
     """One optimizer step of self-distillation: the teacher's and the student's forwards (under
     autocast when `dtype`, compiled when `backend`), the chunked KL (+ hidden-state MSE), AdamW.
@@ -265,7 +270,7 @@ class Trainer:
                 try:
                     rs, rt = regional(s), regional(t)
                 except Exception as e:  # noqa: BLE001 - cutting the graph failed: the whole graph
-                    self.compile_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                    self.compile_error = _why(e)
                     self.log(f"heal: cutting the graph by layer failed ({self.compile_error}); compiling the whole graph")
                     rs, rt = s, t
                 # no layers to share, or a torch without nested compile regions: the whole graph
@@ -308,7 +313,7 @@ class Trainer:
         except torch._dynamo.exc.TorchDynamoException as e:
             if not self.fallback:
                 raise
-            error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            error = _why(e)
             # the first failure (by layer) stays in the report beside the second (whole graph)
             self.compile_error = error if self.compile_error is None else f"{self.compile_error}; then {error}"
             if self.regional:   # the whole graph at once, as without heal.regional

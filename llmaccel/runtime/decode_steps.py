@@ -75,9 +75,7 @@ class DecodeSteps:
             return None  # a running sequence outside the group (one whose token an eager step
             # read after the group was scheduled) waits for no more than this group
         k, bm = grp.n, self.bm
-        mp = self.cfg.max_position   # _group_size([s], k) > 0, inline: 256 rows per group
-        cont = [s for s in seqs if not s.finished and s.params.max_tokens - s.n_output > k
-                and mp - len(s.token_ids) > k]
+        cont = [s for s in seqs if not s.finished and min(self._left(s)) > k]
         if not cont:
             return None
         n = self._group_size(cont, k)
@@ -115,5 +113,9 @@ class DecodeSteps:
         """Sub-steps of a group for these rows once `ahead` more tokens are computed: as many as
         the row with the most tokens left wants, within every row's context, at most MAX_STEPS
         (<= 0: none is left)."""
-        return min(MAX_STEPS, max(s.params.max_tokens - s.n_output for s in seqs) - ahead,
-                   min(self.cfg.max_position - len(s.token_ids) for s in seqs) - ahead)
+        left = [self._left(s) for s in seqs]
+        return min(MAX_STEPS, max(t for t, _ in left) - ahead, min(c for _, c in left) - ahead)
+
+    def _left(self, s: Sequence) -> tuple[int, int]:
+        """(tokens s may still emit, positions left in the model's context)."""
+        return s.params.max_tokens - s.n_output, self.cfg.max_position - len(s.token_ids)
