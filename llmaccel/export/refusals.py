@@ -1,7 +1,7 @@
 """Why an IR op has no ONNX form: one line for the user, naming the op and what to do."""
 from __future__ import annotations
 
-from llmaccel.ops import bitlinear, kvquant, repbn, sla
+from llmaccel.ops import bitlinear, kvquant, repbn, sla, sparse
 
 # Ops whose run-time semantics ONNX Runtime cannot express without a silent change: a plain
 # attention in place of KIVI's quantized cache, or a softmax attention in place of SLA's
@@ -13,6 +13,7 @@ REFUSED = {
     bitlinear.bitlinear_train: "a training form (heal did not finish); export the inference graph",
     bitlinear.rms_norm_bitlinear_train: "a training form (heal did not finish); export the inference graph",
     repbn.repbn_blend: "a training form (heal did not finish); export the inference graph",
+    sparse.relu_glu_held: "a training form (heal did not finish); export the inference graph",
 }
 
 

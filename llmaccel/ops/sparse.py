@@ -12,7 +12,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["sparse_down", "relu_glu"]
+__all__ = ["sparse_down", "relu_glu", "relu_glu_held"]
 
 
 def sparse_down(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -33,5 +33,14 @@ def relu_glu(gate: torch.Tensor, up: torch.Tensor, *, kind: str = "relu",
     return g * (F.relu(up) if kind == "drelu" else up)
 
 
+def relu_glu_held(gate: torch.Tensor, up: torch.Tensor, shift: torch.Tensor, *,
+                  kind: str = "relu") -> torch.Tensor:
+    """relu_glu with its shift a 0-dim tensor: the training form of a relu pass that holds a
+    target sparsity through the heal (the heal moves the shift without recompiling)."""
+    g = F.relu(gate - shift.to(gate.dtype))
+    return g * (F.relu(up) if kind == "drelu" else up)
+
+
 torch.fx.wrap("sparse_down")
 torch.fx.wrap("relu_glu")
+torch.fx.wrap("relu_glu_held")

@@ -94,6 +94,7 @@ _SPECS = [
     OpSpec(sla.linear_attention, "attention", made_by="sla", context=True),
     OpSpec(sparse.sparse_down, "linear", made_by="relu", kernel="sparse_down"),
     OpSpec(sparse.relu_glu, "activation", made_by="relu"),
+    OpSpec(sparse.relu_glu_held, "activation", made_by="relu"),
 ]
 
 OPS: dict[str, OpSpec] = {s.name: s for s in _SPECS}

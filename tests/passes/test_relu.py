@@ -106,3 +106,53 @@ def test_fit_refits_the_down_projections_to_the_mlp_outputs():
     res = compare(graph_forward(src.gm), {"plain": graph_forward(plain.gm), "fitted": graph_forward(fitted.gm)},
                   {"fresh": ids.flatten()}, ctx=48)["fresh"]
     assert res["fitted"]["kl"] < res["plain"]["kl"], res
+
+
+def test_shift_for_gives_the_target_zeros():
+    """The solved shift zeroes ceil(target x N) activations of all layers together: relu by the
+    gates alone, drelu counting the negative ups as zeros at any shift."""
+    from llmaccel.passes.relu import shift_for
+    g = torch.Generator().manual_seed(1)
+    gates = [torch.randn(3, 7, 40, generator=g) for _ in range(3)]
+    ups = [torch.randn(3, 7, 40, generator=g) for _ in range(3)]
+    n = sum(t.numel() for t in gates)
+    for kind, target in (("relu", 0.7), ("drelu", 0.85), ("relu", 0.31)):
+        s = shift_for(gates, ups, kind, target)
+        zeros = sum((relu_glu(a, b, kind=kind, shift=s) == 0).sum().item() for a, b in zip(gates, ups))
+        assert abs(zeros / n - target) <= 1 / n, (kind, zeros / n)
+    with pytest.raises(LlmaccelError, match="already"):
+        shift_for(gates, ups, "drelu", 0.3)
+
+
+def test_sparsity_target_sets_the_shift():
+    a, b = load("preset:tiny-llama"), load("preset:tiny-llama")
+    lo, hi = _run(a, sparsity=0.8).stats, _run(b, kind="drelu", sparsity=0.9).stats
+    assert lo["shift"] > 0 and hi["shift"] != 0
+    # solved on the source's gates; the rewritten earlier layers move later gates a little
+    assert abs(lo["sparsity_mean"] - 0.8) < 0.05 and abs(hi["sparsity_mean"] - 0.9) < 0.05, (lo, hi)
+    assert not lo["held_through_heal"]
+    assert op_nodes(a.gm, relu_glu)[0].kwargs["shift"] == pytest.approx(lo["shift"], abs=1e-6)
+    with pytest.raises(LlmaccelError, match="not both"):
+        make_config(get_pass("relu"), {"sparsity": "0.7", "shift": "0.2"})
+    with pytest.raises(LlmaccelError, match=r"\[0, 1\)"):
+        make_config(get_pass("relu"), {"sparsity": "1.2"})
+
+
+def test_heal_holds_the_target_sparsity():
+    """With a heal after it, relu holds its target sparsity: the shift moves with the weights
+    (the heal's steps are large, so a fixed shift would drift), the healed graph is back in its
+    inference form (relu_glu with a float shift, no buffer) at the target on the same tokens."""
+    calib = {"calib_samples": "4", "calib_seq_len": "32"}
+    opts = {"relu": {**calib, "sparsity": "0.7"},
+            "heal": {"steps": "8", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "3e-2"}}
+    m = compile("preset:tiny-llama", ["relu", "heal"], opts, progress=False, eval_tokens=0)
+    relu_st, heal_st = (p["stats"] for p in m.report["passes"])
+    held = heal_st["relu_held"]
+    assert relu_st["held_through_heal"] and held["target"] == 0.7
+    assert abs(held["sparsity_mean"] - 0.7) < 0.01, held
+    assert held["shift"] != relu_st["shift"]
+    assert m.op_counts().get("relu_glu_held", 0) == 0 and m.op_counts()["relu_glu"] == 2
+    assert "relu_shift" not in dict(m.gm.named_buffers()) and not hasattr(m.gm, "relu_hold")
+    acts = op_nodes(m.gm, relu_glu)
+    assert all(a.kwargs["shift"] == pytest.approx(held["shift"], abs=1e-6) for a in acts)
+    assert [n.kwargs["sparsity"] for n in op_nodes(m.gm, sparse_down)] == held["sparsity_per_layer"]
