@@ -82,6 +82,7 @@ def probe(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> torch.fx.Grap
     by_name = {n.name: n for n in g.nodes}
     out = next(n for n in g.nodes if n.op == "output")
     out.args = (tuple(by_name[n.name] for n in nodes),)
+    g.eliminate_dead_code()   # stop at the last value asked for (no LM head after an MLP's gate)
     return torch.fx.GraphModule(gm, g, class_name="probe")
 
 

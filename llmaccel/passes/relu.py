@@ -20,6 +20,7 @@ it (with a fixed shift of 0.25 an H200 heal took relu from 74.9% to 69.5% and dr
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass
@@ -103,14 +104,19 @@ class _Hold:
     """What the training form needs to hold its sparsity: the tokens it is measured on, the
     target, and the training progress of the next solve."""
 
-    def __init__(self, ids: torch.Tensor, target: float, kind: str):
+    def __init__(self, ids: torch.Tensor, target: float, kind: str, dtype: torch.dtype):
         # solved at the heal's first step too: the fit and the earlier layers' ReLUs moved the gates
         self.ids, self.target, self.kind, self.next = ids, target, kind, 0.0
+        # a model held in a lower precision is probed under autocast to it: during the heal its
+        # trained weights are fp32 master copies beside its other weights (as heal_data.DomainEval)
+        self.amp = None if dtype == torch.float32 else dtype
 
     @torch.no_grad()
     def solve(self, gm: torch.fx.GraphModule) -> float:
         acts = op_nodes(gm, relu_glu_held)
-        vals = _probe(gm, [n for a in acts for n in a.args[:2]], self.ids)
+        amp = torch.autocast(self.ids.device.type, self.amp) if self.amp else contextlib.nullcontext()
+        with amp:
+            vals = _probe(gm, [n for a in acts for n in a.args[:2]], self.ids)
         shift = shift_for(vals[0::2], vals[1::2], self.kind, self.target)
         weight_of(gm, acts[0].args[2]).fill_(shift)
         return shift
@@ -253,7 +259,9 @@ class Relu(Pass):
             buf = gm.graph.get_attr(_SHIFT)
         for act in acts:
             act.target, act.args, act.kwargs = relu_glu_held, (*act.args[:2], buf), {"kind": self.config.kind}
-        gm.relu_hold = _Hold(ids[:_HOLD_WINDOWS], self.config.sparsity, self.config.kind)
+        dtypes = [p.dtype for p in gm.parameters() if p.is_floating_point()]
+        dtype = max(set(dtypes), key=dtypes.count)   # the model's own (the heal's masters are fp32)
+        gm.relu_hold = _Hold(ids[:_HOLD_WINDOWS], self.config.sparsity, self.config.kind, dtype)
 
     @classmethod
     def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:

@@ -156,3 +156,20 @@ def test_heal_holds_the_target_sparsity():
     acts = op_nodes(m.gm, relu_glu)
     assert all(a.kwargs["shift"] == pytest.approx(held["shift"], abs=1e-6) for a in acts)
     assert [n.kwargs["sparsity"] for n in op_nodes(m.gm, sparse_down)] == held["sparsity_per_layer"]
+
+
+def test_heal_holds_the_sparsity_of_a_bf16_model():
+    """A model in bf16 heals with fp32 master weights beside its other bf16 weights: the hold
+    probes it under autocast (as the heal's own measurements do), and hands back bf16."""
+    from llmaccel.passes.base import PassContext
+    m, src = load("preset:tiny-llama", dtype=torch.bfloat16), load("preset:tiny-llama", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ctx = PassContext(m.config, progress=Progress(False), source_model=src, later=("heal",),
+                      calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
+    relu, heal = get_pass("relu"), get_pass("heal")
+    relu(make_config(relu, {**CALIB, "sparsity": "0.7"})).run(m.gm, ctx).gm.recompile()
+    ctx.later = ()
+    st = heal(make_config(heal, {"steps": "4", "seq_len": "16", "batch": "2", "eval_windows": "2",
+                                 "lr": "3e-2", "dtype": "bfloat16"})).run(m.gm, ctx).stats
+    assert abs(st["relu_held"]["sparsity_mean"] - 0.7) < 0.02, st["relu_held"]
+    assert all(p.dtype == torch.bfloat16 for p in m.gm.parameters() if p.is_floating_point())
