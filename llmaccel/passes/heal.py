@@ -89,6 +89,13 @@ class HealConfig:
     # steps x batch than windows; sampling stops with training; a 6-minute H200 heal of gqa to one
     # KV head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
     refresh: int = -1
+    # Where the engine samples those windows: on a thread of this process, or in a process of its
+    # own that loads the source model again from its source. On a thread its Python loop shares
+    # the interpreter with the training step's kernel launches: alone on an H200 a relu heal
+    # trained at 102,000 tokens/s with it (28,000 sampled tokens/s), one of two heals sharing the
+    # GPU at 106,000, and a heal without it at 235,000 (2026-12-03/04). `process` is not measured
+    # on a GPU yet.
+    refresh_in: Literal["thread", "process"] = "thread"
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
     # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
@@ -288,7 +295,7 @@ class Heal(Pass):
                 ctx.progress.log(f"heal: sampling up to {refresh} more windows while training")
                 pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
                            prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed + 1,
-                           max_seqs=_sample_batch(ctx.source_model))
+                           max_seqs=_sample_batch(ctx.source_model), apart=c.refresh_in == "process")
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log,

@@ -170,8 +170,10 @@ class WindowPool:
         self.stats: dict = {}
         self.error: str | None = None
 
-    def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int) -> None:
-        """Start sampling `refresh` windows on a thread; returns once the engine is ready."""
+    def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
+              apart: bool = False) -> None:
+        """Start sampling `refresh` windows on a thread; returns once the engine is ready.
+        apart: the engine in a process of its own, the thread only relaying its windows."""
         if ctx.sampler is None or ctx.source_model is None:
             raise LlmaccelError("heal.refresh needs the engine's sampler and the source model "
                                 "(llmc compile and llmaccel.compile hand them over; PassContext.sampler)")
@@ -187,7 +189,8 @@ class WindowPool:
                 with side:
                     self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
                                              max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
-                                             ready=ready, begin=self._go)[1]
+                                             ready=ready, begin=self._go,
+                                             **({"apart": True} if apart else {}))[1]
             except Exception as e:  # training goes on with the windows it has; the report says why
                 self.error = f"{type(e).__name__}: {e}"
                 ready.set()

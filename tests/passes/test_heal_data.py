@@ -93,14 +93,32 @@ def test_streamed_windows_are_the_batched_ones_and_stop_ends_early():
                           begin=threading.Event())[1]["windows"] == 0 and not got
 
 
-def _refresh_heal(sampler, refresh=4, steps=4):
+def test_windows_sampled_in_a_process_of_its_own_are_the_same():
+    """apart: the engine in a spawned process that loads the model again from its source gives
+    the windows of the engine in this one (seeded per request); a model that cannot be loaded
+    again from its source is an error that says so."""
+    import threading
+    m = load(SRC)
+    prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
+    a, _ = sample_windows(m, prompts, 16, seed=1, max_seqs=4)
+    got, ready = [], threading.Event()
+    none, st = sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, ready=ready,
+                              apart=True)
+    assert none is None and ready.is_set() and st["windows"] == 6
+    assert sorted(w.tolist() for w in got) == sorted(a.tolist())
+    m.source = "preset:no-such-model"
+    with pytest.raises(LlmaccelError, match="process of its own failed: .*no-such-model"):
+        sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, apart=True)
+
+
+def _refresh_heal(sampler, refresh=4, steps=4, **opts):
     m = load(SRC)
     _damage(m)
     ctx = _ctx(SRC, m)
     ctx.sampler = sampler
     cls = get_pass("heal")
     heal = cls(make_config(cls, {"steps": str(steps), "seq_len": "16", "batch": "2", "eval_windows": "2",
-                                 "domain_tokens": "0", "refresh": str(refresh)}))
+                                 "domain_tokens": "0", "refresh": str(refresh), **opts}))
     return heal.run(m.gm, ctx).stats
 
 
@@ -172,8 +190,9 @@ def test_refresh_stops_with_training_and_reports_a_failed_sampler():
         make_config(get_pass("heal"), {"refresh": "-2"})
 
 
-def test_refresh_with_the_engine_on_a_thread():
-    st = _refresh_heal(sample_windows, refresh=8, steps=6)
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_refresh_with_the_engine(where):
+    st = _refresh_heal(sample_windows, refresh=8, steps=6, refresh_in=where)
     assert "refresh_error" not in st and 0 <= st["refresh_trained"] <= st["refresh_windows"] <= 8
     assert st["kl_after"] < st["kl_before"]
 
