@@ -278,11 +278,18 @@ class Relu(Pass):
 
     @classmethod
     def heal_finish(cls, gm: torch.fx.GraphModule) -> dict:
-        hold = getattr(gm, "relu_hold", None)
-        if hold is None:
-            return {}
-        shift = hold.solve(gm)
         acts = op_nodes(gm, relu_glu_held)
+        if not acts:
+            return {}
+        hold = getattr(gm, "relu_hold", None)
+        if hold is None:   # a pass in between rebuilt the module without it: the shift as it is
+            shift = float(weight_of(gm, acts[0].args[2]))
+            for act in acts:
+                act.target, act.args = relu_glu, act.args[:2]
+                act.kwargs = {**act.kwargs, "shift": shift}
+            prune_weights(gm)
+            return {"relu_held": {"shift": round(shift, 6), "held": False}}
+        shift = hold.solve(gm)
         for act in acts:
             act.target, act.args, act.kwargs = relu_glu, act.args[:2], {"kind": hold.kind, "shift": shift}
         del gm.relu_hold

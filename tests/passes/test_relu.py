@@ -158,6 +158,20 @@ def test_heal_holds_the_target_sparsity():
     assert [n.kwargs["sparsity"] for n in op_nodes(m.gm, sparse_down)] == held["sparsity_per_layer"]
 
 
+def test_heal_finish_without_the_hold_keeps_the_shift_it_has():
+    """A module rebuilt between relu and heal loses the hold (a plain attribute): the training
+    form still ends as relu_glu, with the shift its buffer holds."""
+    m = load("preset:tiny-llama")
+    g = torch.Generator().manual_seed(0)
+    ctx = PassContext(m.config, progress=Progress(False), later=("heal",),
+                      calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
+    relu = get_pass("relu")
+    st = relu(make_config(relu, {**CALIB, "sparsity": "0.7"})).run(m.gm, ctx).stats
+    del m.gm.relu_hold
+    assert relu.heal_finish(m.gm) == {"relu_held": {"shift": pytest.approx(st["shift"], abs=1e-6), "held": False}}
+    assert m.op_counts()["relu_glu"] == 2 and "relu_shift" not in dict(m.gm.named_buffers())
+
+
 def test_heal_holds_the_sparsity_of_a_bf16_model():
     """A model in bf16 heals with fp32 master weights beside its other bf16 weights: the hold
     probes it under autocast (as the heal's own measurements do), and hands back bf16."""
