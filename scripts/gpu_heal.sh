@@ -43,7 +43,7 @@ passes_of() {  # job -> pass list and options
     relu) echo "relu --set relu.kind=relu --set relu.sparsity=0.72 --set relu.fit=true" ;;
     drelu) echo "relu --set relu.kind=drelu --set relu.sparsity=0.86 --set relu.fit=true" ;;
     repbn) echo "repbn --set repbn.fit=true" ;;
-    sla) echo "sla --set sla.fit=true" ;;
+    sla) echo "sla --set sla.fit=true --set sla.fit_data=mixed" ;;   # the fit best off-domain (docs/quality.md)
     bitlinear) echo "bitlinear --set bitlinear.warmup=0.2 --set bitlinear.fit=true" ;;
     *) echo "unknown job $1" >&2; return 1 ;;
   esac
