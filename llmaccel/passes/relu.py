@@ -14,12 +14,12 @@ and reported.
 gives it on the calibration tokens is solved for (a quantile of the gate values), before the
 bias correction and the fit, which move the later layers' gates a little (SmolLM2-135M: relu at
 0.72 measures 71.7%, 73.0% after the fit; drelu at 0.86 with the fit 88.4%; the stats give the
-measured figure). With a `heal`
-after it the pass emits a training form (`relu_glu_held`, the shift a 0-dim buffer) and holds
-that sparsity through the heal: every 2% of training progress the shift is solved again on the
-same tokens, so the heal improves quality at the asked sparsity instead of trading sparsity for
-it (with a fixed shift of 0.25 an H200 heal took relu from 74.9% to 69.5% and drelu from 88.6% to
-82.4%; docs/quality.md); heal_finish solves it once more and writes it back as a float.
+measured figure). With a `heal` after it the pass emits a training form (`relu_glu_held`, the
+shift a 0-dim buffer) and holds that sparsity through the heal: every 2% of training progress
+the shift is solved again on the same tokens, so the heal improves quality at the asked
+sparsity instead of trading sparsity for it (with a fixed shift of 0.25 an H200 heal took relu
+from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); heal_finish solves it once
+more and writes it back as a float.
 """
 from __future__ import annotations
 
@@ -284,19 +284,16 @@ class Relu(Pass):
         acts = op_nodes(gm, relu_glu_held)
         if not acts:
             return {}
+        # without the hold (a pass in between rebuilt the module without it): the shift as it is
         hold = getattr(gm, "relu_hold", None)
-        if hold is None:   # a pass in between rebuilt the module without it: the shift as it is
-            shift = float(weight_of(gm, acts[0].args[2]))
-            for act in acts:
-                act.target, act.args = relu_glu, act.args[:2]
-                act.kwargs = {**act.kwargs, "shift": shift}
-            prune_weights(gm)
-            return {"relu_held": {"shift": round(shift, 6), "held": False}}
-        shift = hold.solve(gm)
+        shift = hold.solve(gm) if hold is not None else float(weight_of(gm, acts[0].args[2]))
         for act in acts:
-            act.target, act.args, act.kwargs = relu_glu, act.args[:2], {"kind": hold.kind, "shift": shift}
-        del gm.relu_hold
+            act.target, act.args = relu_glu, act.args[:2]
+            act.kwargs = {**act.kwargs, "shift": shift}
         prune_weights(gm)
+        if hold is None:
+            return {"relu_held": {"shift": round(shift, 6), "held": False}}
+        del gm.relu_hold
         gm.recompile()
         sparsity = measure_sparsity(gm, hold.ids)
         for act, s in zip(acts, sparsity):   # the lowering's hint, measured on the healed weights
