@@ -108,6 +108,21 @@ def test_fit_refits_the_down_projections_to_the_mlp_outputs():
     assert res["fitted"]["kl"] < res["plain"]["kl"], res
 
 
+def test_held_form_is_relu_glu_with_its_shift_in_a_tensor():
+    """relu_glu_held (the training form) against relu_glu, the reference, on fresh random inputs:
+    equal (fp32, exact op order) for relu and drelu, and in bf16 within bf16's rounding."""
+    from llmaccel.ops.sparse import relu_glu_held
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gate, up = torch.randn(4, 9, 33, generator=g), torch.randn(4, 9, 33, generator=g)
+    for kind in ("relu", "drelu"):
+        s = float(torch.rand((), generator=g))
+        ref = relu_glu(gate, up, kind=kind, shift=s)
+        torch.testing.assert_close(relu_glu_held(gate, up, torch.tensor(s), kind=kind), ref, rtol=0, atol=0)
+        out = relu_glu_held(gate.bfloat16(), up.bfloat16(), torch.tensor(s), kind=kind)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_shift_for_gives_the_target_zeros():
     """The solved shift zeroes ceil(target x N) activations of all layers together: relu by the
     gates alone, drelu counting the negative ups as zeros at any shift."""
