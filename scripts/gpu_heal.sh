@@ -17,12 +17,11 @@
 # heal.dtype, docs/quality.md). Loss curves are in each
 # artifact's report.json (passes[-1].stats.loss_curve); scripts/plot_heal.py draws them.
 # Not a row of the GPU suite (python -m llmaccel.bench.suite), whose rows report speed under one
-# deadline: these jobs measure quality, minutes each; give a device call the jobs that fit its
-# limit (two at the default budget; one job alone at 5.5 minutes: gqa1 alone at 7 did not finish
-# in 10). Two jobs can share the GPU: start the script twice in the background, one job each, same
-# OUTDIR (each then trained at 80,000-115,000 tokens/s on an H200, sla 45,000; one job alone with
-# heal.refresh sampling beside it, 102,000: a heal is bound by its process's host thread;
-# 2026-12-03 and 2026-12-04).
+# deadline: these jobs measure quality, minutes each. One job per GPU: the engine samples fresh
+# windows in a process of its own beside each heal (heal.refresh_in, auto), and two heals with
+# their samplers sharing an H200 trained at 69,000 and 43,000 tokens/s against 150,000 for one
+# alone (2026-12-04). A job alone at 6.5 minutes took 7.5 minutes of a device call (gqa1, its
+# first step from Inductor's cache; a fresh machine compiles it in 64-100 s).
 set -uo pipefail
 MIN=${1:-4}
 OUT=${2:-out/heal-gpu}

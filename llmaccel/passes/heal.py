@@ -74,9 +74,11 @@ class HealConfig:
     # the calibration windows. A file's worth of windows is seen many times in a long heal and
     # the student starts to fit those windows rather than the source; samples are as many fresh
     # windows as one asks for. -1 = auto: 2048 on CUDA when the engine's sampler is at hand
-    # (about 30 s of an H200; a heal on calibration windows alone fits their domain: gqa to one
-    # KV head +33% on wikitext2 and +98% on other text, against +17% and +45-51% with them),
-    # 0 elsewhere (a 2-core CPU samples a few tokens a second).
+    # (about 70 s of an H200 before training starts; a heal on calibration windows alone fits
+    # their domain: gqa to one KV head +33% on wikitext2 and +98% on other text, against +17%
+    # and +45-51% with them), unless `refresh` samples in a process of its own, which delivers
+    # thousands of windows while the first step compiles; 0 elsewhere (a 2-core CPU samples a
+    # few tokens a second).
     sampled: int = -1
     # What the sampled windows continue: calib, the first 32 tokens of calibration windows;
     # mixed, half of those and half built-in openings of code, dialogue, instructions,
@@ -90,12 +92,13 @@ class HealConfig:
     # KV head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
     refresh: int = -1
     # Where the engine samples those windows: on a thread of this process, or in a process of its
-    # own that loads the source model again from its source. On a thread its Python loop shares
-    # the interpreter with the training step's kernel launches: alone on an H200 a relu heal
-    # trained at 102,000 tokens/s with it (28,000 sampled tokens/s), one of two heals sharing the
-    # GPU at 106,000, and a heal without it at 235,000 (2026-12-03/04). `process` is not measured
-    # on a GPU yet.
-    refresh_in: Literal["thread", "process"] = "thread"
+    # own that loads the source model again from its source and samples from the start (a thread
+    # waits for the first step's compilation, whose Python it would slow down). On a thread its
+    # Python loop shares the interpreter with the training step's kernel launches. Alone on an
+    # H200, relu heals (2026-12-04): thread 102,000 training tokens/s steady beside 28,000
+    # sampled; process 124,000 beside 42,000; no sampler at all 235,000. auto: process on CUDA,
+    # thread elsewhere (a 2-core CPU has no core to spare for a second copy of the model).
+    refresh_in: Literal["auto", "thread", "process"] = "auto"
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
     # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
@@ -138,9 +141,18 @@ class HealConfig:
         tokens = self.domain_tokens if self.domain_tokens >= 0 else (2048 if cuda else 512)
         return tokens, self.domain_evals if self.domain_evals >= 0 else (4 if cuda else 1)
 
-    def sampled_windows(self, ctx: PassContext) -> int:
-        """heal.sampled with auto resolved: 2048 on CUDA with the engine's sampler, else 0."""
-        return self.sampled if self.sampled >= 0 else _auto(ctx, 2048)
+    def sampled_windows(self, ctx: PassContext, refresh: int) -> int:
+        """heal.sampled with auto resolved: 2048 on CUDA with the engine's sampler, but none
+        when `refresh` windows are sampled apart (they arrive from the start); else 0."""
+        if self.sampled >= 0:
+            return self.sampled
+        return 0 if refresh and self.apart(ctx) else _auto(ctx, 2048)
+
+    def apart(self, ctx: PassContext) -> bool:
+        """heal.refresh_in resolved: whether the engine samples in a process of its own."""
+        if self.refresh_in == "auto":
+            return str(ctx.device).startswith("cuda")
+        return self.refresh_in == "process"
 
     def refresh_windows(self, ctx: PassContext, wanted: int, have: int) -> int:
         """heal.refresh with auto resolved: 32768 on CUDA with the engine's sampler when the heal
@@ -234,9 +246,9 @@ class Heal(Pass):
     exact = False
     config_cls = HealConfig
 
-    def _data(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(training windows, held-out windows, sampling stats), seq_len + 1 tokens each: the
-        inputs and their next-token targets."""
+    def _data(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+        """(training windows, held-out windows, windows to sample while training, sampling
+        stats), seq_len + 1 tokens each: the inputs and their next-token targets."""
         c = self.config
         # Training cycles through the windows, so more than _MAX_WINDOWS distinct ones (more than
         # a file's worth, or minutes of sampling for calib=self) are never asked for.
@@ -246,24 +258,20 @@ class Heal(Pass):
             raise LlmaccelError(f"heal: calibration text gives {len(windows)} windows of "
                                 f"{seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
         train, held = windows[: -c.eval_windows], windows[-c.eval_windows:]
-        stats: dict = {"sample_s": 0.0}
-        if c.sampled_windows(ctx):
-            sampled, stats = self._sample(ctx, train, seq_len)
+        refresh = c.refresh_windows(ctx, c.steps * batch, len(train))
+        n = c.sampled_windows(ctx, refresh)
+        stats: dict = {"sample_s": 0.0, "sampled_windows": n}
+        if n:
+            kind = resolve_prompts(c.prompts, ctx.source_model)
+            ctx.progress.log(f"heal: sampling {n} windows of {seq_len + 1} tokens ({kind} prompts)")
+            sampled, more = sample_source(ctx, train, n, seq_len + 1, kind,
+                                          prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed,
+                                          max_seqs=_sample_batch(ctx.source_model), who="heal.sampled")
+            stats.update(prompts=kind, **more)
             train = torch.cat([train.cpu(), sampled])
             # interleave file and sampled windows; seeded, so a compile is reproducible
             train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed))]
-        return train.to(ctx.device), held.to(ctx.device), stats
-
-    def _sample(self, ctx: PassContext, train: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, dict]:
-        c = self.config
-        model = ctx.source_model
-        kind = resolve_prompts(c.prompts, model)
-        n = c.sampled_windows(ctx)
-        ctx.progress.log(f"heal: sampling {n} windows of {seq_len + 1} tokens ({kind} prompts)")
-        windows, stats = sample_source(ctx, train, n, seq_len + 1, kind,
-                                       prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
-                                       seed=c.seed, max_seqs=_sample_batch(model), who="heal.sampled")
-        return windows, {"prompts": kind, **stats}
+        return train.to(ctx.device), held.to(ctx.device), refresh, stats
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config
@@ -274,8 +282,7 @@ class Heal(Pass):
         if not params:
             raise LlmaccelError("heal: the graph has no float weights it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
-        train, held, sampling = self._data(ctx, seq_len, batch)
-        refresh = c.refresh_windows(ctx, c.steps * batch, len(train))
+        train, held, refresh, sampling = self._data(ctx, seq_len, batch)
         pool = WindowPool(train, refresh)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())
@@ -293,9 +300,10 @@ class Heal(Pass):
         try:
             if refresh:
                 ctx.progress.log(f"heal: sampling up to {refresh} more windows while training")
-                pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
+                sampling.setdefault("prompts", resolve_prompts(c.prompts, ctx.source_model))
+                pool.start(ctx, train, sampling["prompts"],
                            prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed + 1,
-                           max_seqs=_sample_batch(ctx.source_model), apart=c.refresh_in == "process")
+                           max_seqs=_sample_batch(ctx.source_model), apart=c.apart(ctx))
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log,
@@ -324,7 +332,7 @@ class Heal(Pass):
         domains.measure(gm, len(losses), tokens)
         stats = {
             "steps": len(losses), "batch": batch, "seq_len": seq_len, "train_tokens": tokens,
-            "distinct_windows": min(pool.n, len(losses) * batch), "sampled_windows": c.sampled_windows(ctx),
+            "distinct_windows": min(pool.n, len(losses) * batch),
             **refreshed,
             "params_trained": sum(p.numel() for p in params.values()),
             "dtype": str(dtype or "float32").removeprefix("torch."),

@@ -148,10 +148,11 @@ class WindowPool:
     always did. With refresh, a thread runs the engine's sampler in its streaming form over
     `refresh` more prompts (seeded apart from the windows sampled before training); each window
     lands in the pool as its request finishes, and a step trains on windows it has not seen yet
-    first, the rest of its batch cycling through the pool. The engine captures its step graphs
-    before training starts (start() waits for that) and samples once go() is called (after the
-    training step's compilation); it then shares the device with training, so the windows
-    arrive at whatever pace that leaves. Which window a step reads
+    first, the rest of its batch cycling through the pool. On a thread, the engine captures its
+    step graphs before training starts (start() waits for that) and samples once go() is called
+    (after the training step's compilation); in a process of its own (apart) it samples from
+    the start. It shares the device with training, so the windows arrive at whatever pace that
+    leaves. Which window a step reads
     then depends on timing: the windows' contents do not.
     """
 
@@ -173,7 +174,9 @@ class WindowPool:
     def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
               apart: bool = False) -> None:
         """Start sampling `refresh` windows on a thread; returns once the engine is ready.
-        apart: the engine in a process of its own, the thread only relaying its windows."""
+        apart: the engine in a process of its own, the thread only relaying its windows; it
+        samples from the start (no interpreter of ours to share) and this returns at once (its
+        graph captures are its own process's)."""
         if ctx.sampler is None or ctx.source_model is None:
             raise LlmaccelError("heal.refresh needs the engine's sampler and the source model "
                                 "(llmc compile and llmaccel.compile hand them over; PassContext.sampler)")
@@ -189,7 +192,7 @@ class WindowPool:
                 with side:
                     self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
                                              max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
-                                             ready=ready, begin=self._go,
+                                             ready=ready, begin=None if apart else self._go,
                                              **({"apart": True} if apart else {}))[1]
             except Exception as e:  # training goes on with the windows it has; the report says why
                 self.error = f"{type(e).__name__}: {e}"
@@ -197,7 +200,8 @@ class WindowPool:
 
         self._thread = threading.Thread(target=work, name="heal-refresh", daemon=True)
         self._thread.start()
-        ready.wait()
+        if not apart:
+            ready.wait()
 
     def go(self) -> None:
         """Let the sampler start (it waits for this after capturing its graphs)."""

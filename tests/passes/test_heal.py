@@ -150,9 +150,9 @@ def test_sampled_windows_continue_calibration_prompts_and_train():
     ctx = _ctx(src, m)
     heal = get_pass("heal")(make_config(get_pass("heal"), {"steps": "6", "seq_len": "40", "batch": "2",
                                                            "eval_windows": "2", "sampled": "5"}))
-    train, held, _ = heal._data(ctx, 40, 2)
+    train, held, refresh, _ = heal._data(ctx, 40, 2)
     calib = ctx.calib_tokens(12 + 2, 41)
-    assert train.shape == (12 + 5, 41) and torch.equal(held, calib[-2:])
+    assert train.shape == (12 + 5, 41) and torch.equal(held, calib[-2:]) and refresh == 0
     file_rows = {tuple(r.tolist()) for r in calib[:-2]}
     sampled = [r for r in train if tuple(r.tolist()) not in file_rows]
     assert len(sampled) == 5  # every calibration window kept, five sampled ones added
@@ -173,13 +173,18 @@ def test_sampled_and_refresh_auto_on_cuda_with_a_sampler_else_none():
     cfg = make_config(get_pass("heal"), {})
     m = load("preset:tiny-llama")
     able = PassContext(m.config, progress=Progress(False), source_model=m, sampler=sample_windows)
-    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able, 900, 100) == 0  # a CPU context
+    assert cfg.sampled_windows(able, 0) == 0 and cfg.refresh_windows(able, 900, 100) == 0  # a CPU context
+    assert not cfg.apart(able)
     able.device = "cuda:0"
-    assert cfg.sampled_windows(able) == 2048 and cfg.refresh_windows(able, 900, 100) == 32768
+    assert cfg.refresh_windows(able, 900, 100) == 32768 and cfg.apart(able)
+    # windows sampled apart arrive while the first step compiles: none sampled before training
+    assert cfg.sampled_windows(able, 32768) == 0 and cfg.sampled_windows(able, 0) == 2048
+    threaded = make_config(get_pass("heal"), {"refresh_in": "thread"})
+    assert not threaded.apart(able) and threaded.sampled_windows(able, 32768) == 2048
     # a heal that does not go round its windows samples no more, unless it runs on a budget
     assert cfg.refresh_windows(able, 100, 100) == 0
     assert make_config(get_pass("heal"), {"minutes": "5"}).refresh_windows(able, 100, 100) == 32768
     able.sampler = None  # compile() called without the engine's sampler: no sampling, no error
-    assert cfg.sampled_windows(able) == 0 and cfg.refresh_windows(able, 900, 100) == 0
-    assert make_config(get_pass("heal"), {"sampled": "7"}).sampled_windows(able) == 7
+    assert cfg.sampled_windows(able, 0) == 0 and cfg.refresh_windows(able, 900, 100) == 0
+    assert make_config(get_pass("heal"), {"sampled": "7"}).sampled_windows(able, 32768) == 7
     assert make_config(get_pass("heal"), {"refresh": "9"}).refresh_windows(able, 1, 100) == 9

@@ -153,6 +153,23 @@ def test_refresh_sampling_begins_after_the_first_training_step():
     assert seen == {"before": False, "after": True} and "refresh_error" not in st
 
 
+def test_refresh_apart_samples_from_the_start_and_is_not_waited_for():
+    """In a process of its own the sampler gets no begin event (nothing to hold it back for) and
+    the heal does not wait for it to be ready: its windows are trained on as they arrive."""
+    seen = {}
+
+    def apart(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False):
+        seen.update(apart=apart, begin=begin)
+        for i in range(len(prompts)):
+            deliver(torch.full((length,), 7 + i, dtype=torch.long))
+        assert stop.wait(60)               # ready never set: the heal went on without it
+        return None, {"sample_tok_s": 1.0}
+
+    st = _refresh_heal(apart, steps=3, refresh_in="process")
+    assert seen == {"apart": True, "begin": None} and "refresh_error" not in st
+    assert st["steps"] == 3 and st["refresh_windows"] <= 4
+
+
 def test_out_of_memory_names_the_options_that_free_it(monkeypatch):
     """A step that runs out of device memory: one error naming heal.batch, and heal.refresh
     when the engine samples beside training (its KV cache is then on the device too)."""
