@@ -42,6 +42,11 @@ from llmaccel.ir import is_op, positions, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
 _MAX_WINDOWS = 4096
+# heal.refresh's auto count: more windows than a 10-minute heal receives. In a process of its own
+# the engine samples ~43,000 tokens/s beside an H200 heal: 32,768 windows of 481 new tokens ran
+# out after ~6 minutes of a 6.5-minute gqa heal (2026-12-04); 65,536 hold ~12 minutes, in a
+# pool of 270 MB of token ids on the device.
+_REFRESH_AUTO = 65536
 # Sequences the engine samples at once (its max_num_seqs); the KV cache holds that many whole
 # windows: ~3 GB for SmolLM2 at 512 tokens in bf16 on CUDA, so several heals can share one GPU.
 _SAMPLE_BATCH = {"cuda": 256, "cpu": 16}
@@ -84,9 +89,9 @@ class HealConfig:
     # mixed, half of those and half built-in openings of code, dialogue, instructions,
     # documentation and lists (eval/prompts.py); auto: mixed when the model has a tokenizer.
     prompts: Literal["auto", "calib", "mixed"] = "auto"
-    # Windows the engine samples while training runs (on a thread, sharing the device), trained
-    # on as they arrive, fresh ones first: a heal that goes over its windows many times fits
-    # them rather than the source (heal_data.WindowPool). 0 = none; -1 = auto: 32768 on CUDA with
+    # Windows the engine samples while training runs (sharing the device), trained on as they
+    # arrive, fresh ones first: a heal that goes over its windows many times fits them rather
+    # than the source (heal_data.WindowPool). 0 = none; -1 = auto: _REFRESH_AUTO on CUDA with
     # the engine's sampler when the heal would go round its windows (a `minutes` budget, or more
     # steps x batch than windows; sampling stops with training; a 6-minute H200 heal of gqa to one
     # KV head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
@@ -155,12 +160,12 @@ class HealConfig:
         return self.refresh_in == "process"
 
     def refresh_windows(self, ctx: PassContext, wanted: int, have: int) -> int:
-        """heal.refresh with auto resolved: 32768 on CUDA with the engine's sampler when the heal
-        would go round its `have` windows (a minutes budget, or `wanted` windows of steps x
+        """heal.refresh with auto resolved: _REFRESH_AUTO on CUDA with the engine's sampler when
+        the heal would go round its `have` windows (a minutes budget, or `wanted` windows of steps x
         batch beyond them), else 0."""
         if self.refresh >= 0:
             return self.refresh
-        return _auto(ctx, 32768) if self.minutes or wanted > have else 0
+        return _auto(ctx, _REFRESH_AUTO) if self.minutes or wanted > have else 0
 
 
 def _auto(ctx: PassContext, n: int) -> int:
@@ -246,7 +251,8 @@ class Heal(Pass):
     exact = False
     config_cls = HealConfig
 
-    def _data(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    def _data(self, ctx: PassContext, seq_len: int,
+              batch: int) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
         """(training windows, held-out windows, windows to sample while training, sampling
         stats), seq_len + 1 tokens each: the inputs and their next-token targets."""
         c = self.config
@@ -264,8 +270,8 @@ class Heal(Pass):
         if n:
             kind = resolve_prompts(c.prompts, ctx.source_model)
             ctx.progress.log(f"heal: sampling {n} windows of {seq_len + 1} tokens ({kind} prompts)")
-            sampled, more = sample_source(ctx, train, n, seq_len + 1, kind,
-                                          prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed,
+            sampled, more = sample_source(ctx, train, n, seq_len + 1, kind, seed=c.seed,
+                                          prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
                                           max_seqs=_sample_batch(ctx.source_model), who="heal.sampled")
             stats.update(prompts=kind, **more)
             train = torch.cat([train.cpu(), sampled])

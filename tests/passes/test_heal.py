@@ -176,14 +176,14 @@ def test_sampled_and_refresh_auto_on_cuda_with_a_sampler_else_none():
     assert cfg.sampled_windows(able, 0) == 0 and cfg.refresh_windows(able, 900, 100) == 0  # a CPU context
     assert not cfg.apart(able)
     able.device = "cuda:0"
-    assert cfg.refresh_windows(able, 900, 100) == 32768 and cfg.apart(able)
+    assert cfg.refresh_windows(able, 900, 100) == 65536 and cfg.apart(able)
     # windows sampled apart arrive while the first step compiles: none sampled before training
     assert cfg.sampled_windows(able, 32768) == 0 and cfg.sampled_windows(able, 0) == 2048
     threaded = make_config(get_pass("heal"), {"refresh_in": "thread"})
     assert not threaded.apart(able) and threaded.sampled_windows(able, 32768) == 2048
     # a heal that does not go round its windows samples no more, unless it runs on a budget
     assert cfg.refresh_windows(able, 100, 100) == 0
-    assert make_config(get_pass("heal"), {"minutes": "5"}).refresh_windows(able, 100, 100) == 32768
+    assert make_config(get_pass("heal"), {"minutes": "5"}).refresh_windows(able, 100, 100) == 65536
     able.sampler = None  # compile() called without the engine's sampler: no sampling, no error
     assert cfg.sampled_windows(able, 0) == 0 and cfg.refresh_windows(able, 900, 100) == 0
     assert make_config(get_pass("heal"), {"sampled": "7"}).sampled_windows(able, 32768) == 7
