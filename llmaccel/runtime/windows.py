@@ -4,13 +4,17 @@ The heal pass's `heal.sampled` windows come from here, handed to the pass as
 `PassContext.sampler` by the frontends (`llmc compile`, `llmaccel.compile`): the engine sits
 above the passes. Every window is asked for at once, so that the engine batches them (up to
 `max_seqs` at a time), temperature 1, each request seeded; then the engine is dropped so that
-its KV cache is freed before training starts.
+its KV cache is freed before training starts. `heal.refresh`'s windows stream from here while
+training runs, from a thread of the heal or from a child Python that runs this module.
 """
 from __future__ import annotations
 
 import gc
-import queue
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -116,71 +120,123 @@ _POLL = 0.05  # seconds between the relay's looks at the caller's events
 
 def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deliver, stop, ready,
                   begin) -> dict:
-    """sample_windows' streaming form in a spawned process that loads `model` again from its
-    source (same dtype and device): each window comes back over a queue as a list of ids and is
-    delivered here; the caller's threading events are relayed to the process's. Raises what the
-    process raised (a model that cannot be loaded again from its source included)."""
-    import torch.multiprocessing as mp
+    """sample_windows' streaming form in a child Python (`python -m llmaccel.runtime.windows`)
+    that loads `model` again from its source (same dtype and device): each window comes back as
+    a list of ids over a pipe and is delivered here; the caller's begin and stop go to it over
+    another. Not a multiprocessing spawn: that runs the caller's main script again in the child,
+    all of it where the script has no `if __name__ == "__main__"` guard. Raises what the child
+    raised (a model that cannot be loaded again from its source included)."""
+    from multiprocessing.connection import Connection
 
-    mpc = mp.get_context("spawn")
-    q = mpc.Queue()
-    ev = {k: mpc.Event() for k in ("stop", "ready", "begin")}
-    if begin is None:   # nothing to wait for
-        ev["begin"].set()
-    proc = mpc.Process(target=_apart, name="heal-refresh", daemon=True,
-                       args=(model.source, model.dtype, str(model.device), prompts, length, seed,
-                             max_seqs, q, ev["stop"], ev["ready"], ev["begin"]))
-    proc.start()
+    back_r, back_w = os.pipe()     # child -> here: windows, ("ready",), ("stats", d), ("error", why), None
+    ctl_r, ctl_w = os.pipe()       # here -> child: "begin", "stop"
+    root = str(Path(__file__).resolve().parents[2])   # where `llmaccel` imports from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "llmaccel.runtime.windows", str(ctl_r), str(back_w)],
+                            pass_fds=(ctl_r, back_w), env=env)
+    os.close(ctl_r)
+    os.close(back_w)
+    back, ctl = Connection(back_r, writable=False), Connection(ctl_w, readable=False)
     stats: dict = {}
     error = None
+    told = set()
     try:
+        ctl.send((model.source, str(model.dtype).removeprefix("torch."), str(model.device), prompts,
+                  length, seed, max_seqs))
         while True:
-            for mine, theirs in ((stop, ev["stop"]), (begin, ev["begin"])):
-                if mine is not None and mine.is_set() and not theirs.is_set():
-                    theirs.set()
-            if ready is not None and ev["ready"].is_set():
-                ready.set()
-            try:
-                item = q.get(timeout=_POLL)
-            except queue.Empty:
-                if not proc.is_alive() and q.empty():
-                    error = error or f"the sampling process ended (exit code {proc.exitcode})"
+            due = {"begin": begin is None or begin.is_set(), "stop": stop is not None and stop.is_set()}
+            for name in [n for n, now in due.items() if now and n not in told]:
+                ctl.send(name)
+                told.add(name)
+            if not back.poll(_POLL):
+                if proc.poll() is not None and not back.poll(0):
+                    error = error or f"the sampling process ended (exit code {proc.returncode})"
                     break
                 continue
+            try:
+                item = back.recv()
+            except EOFError:
+                error = error or f"the sampling process ended (exit code {proc.wait()})"
+                break
             if item is None:
                 break
             if isinstance(item, list):
                 deliver(torch.tensor(item, dtype=torch.long))
+            elif item[0] == "ready":
+                if ready is not None:
+                    ready.set()
             elif item[0] == "stats":
                 stats = item[1]
             else:
                 error = item[1]
+    except OSError:   # the child went before it read what it was sent
+        error = error or f"the sampling process ended (exit code {proc.wait()})"
     finally:
         if ready is not None:
             ready.set()
-        ev["stop"].set()
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.terminate()
+        try:
+            ctl.send("stop")
+        except OSError:   # the child has gone already
+            pass
+        ctl.close()
+        back.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     if error:
         raise LlmaccelError(f"heal: sampling in a process of its own failed: {error}")
     return stats
 
 
-def _apart(source: str, dtype, device: str, prompts, length: int, seed: int, max_seqs: int, q,
-           stop, ready, begin) -> None:
-    """The process of _stream_apart: windows as lists, then ("stats", dict) or ("error", why),
-    then None."""
+class _Told:
+    """An Event-like flag that sends ("ready",) back once when set (sample_windows' `ready`)."""
+
+    def __init__(self, back):
+        self.back, self.done = back, False
+
+    def set(self) -> None:
+        if not self.done:
+            self.done = True
+            self.back.send(("ready",))
+
+
+def _child(ctl_fd: int, back_fd: int) -> None:
+    """The child of _stream_apart: reads its arguments, then samples, sending each window back as
+    a list; "begin" and "stop" (or the pipe's end) from the parent set the events."""
+    import threading
+    from multiprocessing.connection import Connection
+
     from llmaccel.compiler.model import load
 
+    ctl, back = Connection(ctl_fd, writable=False), Connection(back_fd, readable=False)
+    stop, begin = threading.Event(), threading.Event()
+
+    def listen():
+        try:
+            while (msg := ctl.recv()) != "stop":
+                if msg == "begin":
+                    begin.set()
+        except (EOFError, OSError):
+            pass
+        stop.set()
+        begin.set()
+
     try:
+        source, dtype, device, prompts, length, seed, max_seqs = ctl.recv()
+        threading.Thread(target=listen, daemon=True).start()
         model = load(source, dtype=dtype, device=device)
         stats = sample_windows(model, prompts, length, seed=seed, max_seqs=max_seqs,
-                               deliver=lambda w: q.put(w.tolist()), stop=stop, ready=ready,
+                               deliver=lambda w: back.send(w.tolist()), stop=stop, ready=_Told(back),
                                begin=begin)[1]
-        q.put(("stats", stats))
-    except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
-        q.put(("error", f"{type(e).__name__}: {e}"))
+        back.send(("stats", stats))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        back.send(("error", f"{type(e).__name__}: {e}"))
     finally:
-        ready.set()
-        q.put(None)
+        back.send(None)
+        back.close()
+
+
+if __name__ == "__main__":
+    _child(int(sys.argv[1]), int(sys.argv[2]))

@@ -111,6 +111,26 @@ def test_windows_sampled_in_a_process_of_its_own_are_the_same():
         sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, apart=True)
 
 
+def test_sampling_apart_does_not_run_the_callers_script_again(tmp_path):
+    """The child is `python -m llmaccel.runtime.windows`, not a multiprocessing spawn, which
+    would import the caller's main script again: a script without an `if __name__ == "__main__"`
+    guard runs once."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import llmaccel\n"
+        "print('BODY', flush=True)\n"
+        "m = llmaccel.compile('preset:tiny-llama', ['relu', 'heal'], {'heal': {'steps': '6', "
+        "'refresh': '8', 'refresh_in': 'process', 'seq_len': '16', 'batch': '2', 'eval_windows': '2', "
+        f"'domain_tokens': '0'}}}}, calib={str(Path('data/wikitext2/wiki.test.raw').resolve())!r}, progress=False)\n"
+        "print('ERROR', m.report['passes'][-1]['stats'].get('refresh_error'))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("BODY") == 1 and "ERROR None" in out.stdout
+
+
 def _refresh_heal(sampler, refresh=4, steps=4, **opts):
     m = load(SRC)
     _damage(m)
