@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -128,7 +129,7 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
     raised (a model that cannot be loaded again from its source included)."""
     from multiprocessing.connection import Connection
 
-    back_r, back_w = os.pipe()     # child -> here: windows, ("ready",), ("stats", d), ("error", why), None
+    back_r, back_w = os.pipe()     # child -> here: ("windows", [ids...]), ("ready",), ("stats", d), ("error", why), None
     ctl_r, ctl_w = os.pipe()       # here -> child: "begin", "stop"
     root = str(Path(__file__).resolve().parents[2])   # where `llmaccel` imports from
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -160,8 +161,9 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
                 break
             if item is None:
                 break
-            if isinstance(item, list):
-                deliver(torch.tensor(item, dtype=torch.long))
+            if item[0] == "windows":
+                for w in item[1]:
+                    deliver(torch.tensor(w, dtype=torch.long))
             elif item[0] == "ready":
                 if ready is not None:
                     ready.set()
@@ -193,18 +195,50 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
 class _Told:
     """An Event-like flag that sends ("ready",) back once when set (sample_windows' `ready`)."""
 
-    def __init__(self, back):
-        self.back, self.done = back, False
+    def __init__(self, out: queue.SimpleQueue):
+        self.out, self.done = out, False
 
     def set(self) -> None:
         if not self.done:
             self.done = True
-            self.back.send(("ready",))
+            self.out.put(("ready",))
+
+
+_NOTHING = object()   # _send_all: no message waiting
+
+
+def _send_all(back, out: queue.SimpleQueue) -> None:
+    """Sends what `out` gets, in order, until None; windows waiting together go as one message.
+    On a thread of its own, so that the engine's loop never waits on the pipe (the engine
+    finishes a whole batch of windows at one step; the parent reads them between its
+    training step's launches)."""
+    item = out.get()
+    while True:
+        if item is None:
+            back.send(None)
+            return
+        if item[0] != "windows":
+            back.send(item)
+            item = out.get()
+            continue
+        wins = list(item[1])
+        while True:
+            try:
+                item = out.get_nowait()
+            except queue.Empty:
+                item = _NOTHING
+                break
+            if item is None or item[0] != "windows":
+                break
+            wins += item[1]
+        back.send(("windows", wins))
+        if item is _NOTHING:
+            item = out.get()
 
 
 def _child(ctl_fd: int, back_fd: int) -> None:
-    """The child of _stream_apart: reads its arguments, then samples, sending each window back as
-    a list; "begin" and "stop" (or the pipe's end) from the parent set the events."""
+    """The child of _stream_apart: reads its arguments, then samples, sending the windows back
+    as lists; "begin" and "stop" (or the pipe's end) from the parent set the events."""
     import threading
     from multiprocessing.connection import Connection
 
@@ -212,6 +246,9 @@ def _child(ctl_fd: int, back_fd: int) -> None:
 
     ctl, back = Connection(ctl_fd, writable=False), Connection(back_fd, readable=False)
     stop, begin = threading.Event(), threading.Event()
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(back, out), daemon=True)
+    sender.start()
 
     def listen():
         try:
@@ -228,13 +265,14 @@ def _child(ctl_fd: int, back_fd: int) -> None:
         threading.Thread(target=listen, daemon=True).start()
         model = load(source, dtype=dtype, device=device)
         stats = sample_windows(model, prompts, length, seed=seed, max_seqs=max_seqs,
-                               deliver=lambda w: back.send(w.tolist()), stop=stop, ready=_Told(back),
-                               begin=begin)[1]
-        back.send(("stats", stats))
+                               deliver=lambda w: out.put(("windows", [w.tolist()])), stop=stop,
+                               ready=_Told(out), begin=begin)[1]
+        out.put(("stats", stats))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        back.send(("error", f"{type(e).__name__}: {e}"))
+        out.put(("error", f"{type(e).__name__}: {e}"))
     finally:
-        back.send(None)
+        out.put(None)
+        sender.join()
         back.close()
 
 

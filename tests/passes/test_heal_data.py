@@ -111,6 +111,30 @@ def test_windows_sampled_in_a_process_of_its_own_are_the_same():
         sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, apart=True)
 
 
+def test_the_sampling_child_sends_in_order_gathering_waiting_windows():
+    import queue
+    import threading
+    from multiprocessing.connection import Pipe
+    from llmaccel.runtime.windows import _send_all
+
+    here, there = Pipe(duplex=False)
+    out = queue.SimpleQueue()
+    for m in [("windows", [[0]]), ("windows", [[1]]), ("ready",), ("windows", [[2]]), ("stats", {}),
+              ("windows", [[3]]), ("windows", [[4]]), None]:
+        out.put(m)
+    t = threading.Thread(target=_send_all, args=(there, out))
+    t.start()
+    t.join(10)
+    got = []
+    while here.poll(1):
+        got.append(here.recv())
+        if got[-1] is None:
+            break
+    assert not t.is_alive()
+    assert got == [("windows", [[0], [1]]), ("ready",), ("windows", [[2]]), ("stats", {}),
+                   ("windows", [[3], [4]]), None]
+
+
 def test_sampling_apart_does_not_run_the_callers_script_again(tmp_path):
     """The child is `python -m llmaccel.runtime.windows`, not a multiprocessing spawn, which
     would import the caller's main script again: a script without an `if __name__ == "__main__"`
