@@ -196,6 +196,8 @@ class WindowPool:
                                              **({"apart": True} if apart else {}))[1]
             except Exception as e:  # training goes on with the windows it has; the report says why
                 self.error = f"{type(e).__name__}: {e}"
+                ctx.progress.log(f"heal: sampling beside training failed ({self.error}); training "
+                                 f"goes on with the windows it has")
                 ready.set()
 
         self._thread = threading.Thread(target=work, name="heal-refresh", daemon=True)

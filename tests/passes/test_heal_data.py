@@ -247,6 +247,14 @@ def test_refresh_stops_with_training_and_reports_a_failed_sampler():
 
     st = _refresh_heal(fails, steps=2)
     assert st["refresh_error"] == "RuntimeError: no engine here" and st["steps"] == 2
+    said = []
+    ctx = _ctx(SRC, load(SRC))
+    ctx.progress.log = said.append    # also said when it happens, not only in the report
+    ctx.sampler = fails
+    cls = get_pass("heal")
+    cls(make_config(cls, {"steps": "2", "seq_len": "16", "batch": "2", "eval_windows": "2",
+                          "domain_tokens": "0", "refresh": "4"})).run(load(SRC).gm, ctx)
+    assert any("sampling beside training failed (RuntimeError: no engine here)" in m for m in said)
     with pytest.raises(LlmaccelError, match="heal.refresh"):
         make_config(get_pass("heal"), {"refresh": "-2"})
 
