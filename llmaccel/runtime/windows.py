@@ -129,8 +129,10 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
     raised (a model that cannot be loaded again from its source included)."""
     from multiprocessing.connection import Connection
 
-    back_r, back_w = os.pipe()     # child -> here: ("windows", [ids...]), ("ready",), ("stats", d), ("error", why), None
-    ctl_r, ctl_w = os.pipe()       # here -> child: "begin", "stop"
+    # child -> here: ("windows", [ids, ...]), ("ready",), ("stats", d), ("error", why), then None;
+    # here -> child: the arguments, then "begin", "stop"
+    back_r, back_w = os.pipe()
+    ctl_r, ctl_w = os.pipe()
     root = str(Path(__file__).resolve().parents[2])   # where `llmaccel` imports from
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "llmaccel.runtime.windows", str(ctl_r), str(back_w)],
