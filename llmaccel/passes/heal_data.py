@@ -169,6 +169,7 @@ class WindowPool:
         self._go = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats: dict = {}
+        self.where = ""                 # where the engine samples: thread or process
         self.error: str | None = None
 
     def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
@@ -181,6 +182,7 @@ class WindowPool:
             raise LlmaccelError("heal.refresh needs the engine's sampler and the source model "
                                 "(llmc compile and llmaccel.compile hand them over; PassContext.sampler)")
         prompts = prompt_ids(ctx.source_model, calib, self.refresh, kind, prompt_len)
+        self.where = "process" if apart else "thread"
         ready = threading.Event()
         device = torch.device(ctx.device)
 
@@ -235,7 +237,8 @@ class WindowPool:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        out = {"refresh_windows": self.n - (len(self.buf) - self.refresh), "refresh_trained": self.used,
+        out = {"refresh_in": self.where,
+               "refresh_windows": self.n - (len(self.buf) - self.refresh), "refresh_trained": self.used,
                "refresh_tok_s": self.stats.get("sample_tok_s", 0.0)}
         if self.error:
             out["refresh_error"] = self.error

@@ -211,6 +211,7 @@ def test_refresh_apart_samples_from_the_start_and_is_not_waited_for():
 
     st = _refresh_heal(apart, steps=3, refresh_in="process")
     assert seen == {"apart": True, "begin": None} and "refresh_error" not in st
+    assert st["refresh_in"] == "process"
     assert st["steps"] == 3 and st["refresh_windows"] <= 4
 
 
@@ -241,6 +242,7 @@ def test_refresh_stops_with_training_and_reports_a_failed_sampler():
 
     st = _refresh_heal(waits, steps=2)
     assert st["refresh_windows"] == 0 and st["refresh_trained"] == 0 and st["steps"] == 2
+    assert st["refresh_in"] == "thread"   # auto on a CPU
 
     def fails(model, prompts, length, **kw):
         raise RuntimeError("no engine here")
