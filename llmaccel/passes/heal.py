@@ -48,7 +48,7 @@ _MAX_WINDOWS = 4096
 # pool of 270 MB of token ids on the device.
 _REFRESH_AUTO = 65536
 # Sequences the engine samples at once (its max_num_seqs); the KV cache holds that many whole
-# windows: ~3 GB for SmolLM2 at 512 tokens in bf16 on CUDA, so several heals can share one GPU.
+# windows: ~3 GB for SmolLM2 at 512 tokens in bf16 on CUDA, beside the heal's own memory.
 _SAMPLE_BATCH = {"cuda": 256, "cpu": 16}
 
 
