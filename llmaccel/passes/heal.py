@@ -264,6 +264,8 @@ class Heal(Pass):
             raise LlmaccelError(f"heal: calibration text gives {len(windows)} windows of "
                                 f"{seq_len + 1} tokens; need more than heal.eval_windows={c.eval_windows}")
         train, held = windows[: -c.eval_windows], windows[-c.eval_windows:]
+        # whether the heal goes round its windows is judged on the file's: the windows sampled
+        # before training depend on where `refresh` samples, so they come after
         refresh = c.refresh_windows(ctx, c.steps * batch, len(train))
         n = c.sampled_windows(ctx, refresh)
         stats: dict = {"sample_s": 0.0, "sampled_windows": n}

@@ -189,7 +189,8 @@ class WindowPool:
         def work():
             # its own CUDA stream: the engine's steps can run beside training's kernels rather
             # than queue behind them on the default stream
-            side = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+            on_cuda = device.type == "cuda" and not apart   # apart, this thread only relays
+            side = torch.cuda.stream(torch.cuda.Stream(device)) if on_cuda else contextlib.nullcontext()
             try:
                 with side:
                     self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,

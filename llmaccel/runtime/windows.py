@@ -5,7 +5,8 @@ The heal pass's `heal.sampled` windows come from here, handed to the pass as
 above the passes. Every window is asked for at once, so that the engine batches them (up to
 `max_seqs` at a time), temperature 1, each request seeded; then the engine is dropped so that
 its KV cache is freed before training starts. `heal.refresh`'s windows stream from here while
-training runs, from a thread of the heal or from a child Python that runs this module.
+training runs, from a thread of the heal or from a child Python that runs this module's
+_child.
 """
 from __future__ import annotations
 
@@ -117,12 +118,12 @@ def _stream(llm, prompts, params, deliver, stop, seqs: int, t0: float) -> dict:
 
 
 _POLL = 0.05  # seconds between the relay's looks at the caller's events
+_STOP_GRACE = 30.0  # seconds the child has to end once told to stop, before it is killed
 
 
 def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deliver, stop, ready,
                   begin) -> dict:
-    """sample_windows' streaming form in a child Python (`python -m llmaccel.runtime.windows`)
-    that loads `model` again from its source (same dtype and device): each window comes back as
+    """sample_windows' streaming form in a child Python (running _child) that loads `model` again from its source (same dtype and device): each window comes back as
     a list of ids over a pipe and is delivered here; the caller's begin and stop go to it over
     another. Not a multiprocessing spawn: that runs the caller's main script again in the child,
     all of it where the script has no `if __name__ == "__main__"` guard. Raises what the child
@@ -133,16 +134,24 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
     # here -> child: the arguments, then "begin", "stop"
     back_r, back_w = os.pipe()
     ctl_r, ctl_w = os.pipe()
-    root = str(Path(__file__).resolve().parents[2])   # where `llmaccel` imports from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "llmaccel.runtime.windows", str(ctl_r), str(back_w)],
-                            pass_fds=(ctl_r, back_w), env=env)
+    # `-c`, not `-m` (which imports the package, and so this module, before running it again);
+    # this checkout's llmaccel ahead of the working directory's; a session of its own, so that
+    # a Ctrl-C reaches the parent only, which then stops it
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+            f"from llmaccel.runtime.windows import _child; _child({ctl_r}, {back_w})")
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(ctl_r, back_w),
+                                start_new_session=True)
+    except BaseException:
+        for fd in (back_r, back_w, ctl_r, ctl_w):
+            os.close(fd)
+        raise
     os.close(ctl_r)
     os.close(back_w)
     back, ctl = Connection(back_r, writable=False), Connection(ctl_w, readable=False)
-    stats: dict = {}
+    stats: dict | None = None
     error = None
-    told = set()
+    told: dict[str, float] = {}   # message -> when it was sent
     try:
         ctl.send((model.source, str(model.dtype).removeprefix("torch."), str(model.device), prompts,
                   length, seed, max_seqs))
@@ -150,7 +159,10 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
             due = {"begin": begin is None or begin.is_set(), "stop": stop is not None and stop.is_set()}
             for name in [n for n, now in due.items() if now and n not in told]:
                 ctl.send(name)
-                told.add(name)
+                told[name] = time.monotonic()
+            if "stop" in told and time.monotonic() - told["stop"] > _STOP_GRACE:
+                proc.kill()   # stuck where it cannot look at "stop" (loading, warming up)
+                break
             if not back.poll(_POLL):
                 if proc.poll() is not None and not back.poll(0):
                     error = error or f"the sampling process ended (exit code {proc.returncode})"
@@ -189,9 +201,11 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if error is None and stats is None and "stop" not in told:
+        error = "the sampling process ended without its figures"
     if error:
         raise LlmaccelError(f"heal: sampling in a process of its own failed: {error}")
-    return stats
+    return stats or {}
 
 
 class _Told:
@@ -265,8 +279,8 @@ def _child(ctl_fd: int, back_fd: int) -> None:
     try:
         source, dtype, device, prompts, length, seed, max_seqs = ctl.recv()
         threading.Thread(target=listen, daemon=True).start()
-        model = load(source, dtype=dtype, device=device)
-        stats = sample_windows(model, prompts, length, seed=seed, max_seqs=max_seqs,
+        model = None if stop.is_set() else load(source, dtype=dtype, device=device)
+        stats = {} if stop.is_set() else sample_windows(model, prompts, length, seed=seed, max_seqs=max_seqs,
                                deliver=lambda w: out.put(("windows", [w.tolist()])), stop=stop,
                                ready=_Told(out), begin=begin)[1]
         out.put(("stats", stats))
@@ -277,6 +291,3 @@ def _child(ctl_fd: int, back_fd: int) -> None:
         sender.join()
         back.close()
 
-
-if __name__ == "__main__":
-    _child(int(sys.argv[1]), int(sys.argv[2]))

@@ -136,7 +136,7 @@ def test_the_sampling_child_sends_in_order_gathering_waiting_windows():
 
 
 def test_sampling_apart_does_not_run_the_callers_script_again(tmp_path):
-    """The child is `python -m llmaccel.runtime.windows`, not a multiprocessing spawn, which
+    """The child is a Python started to run windows._child, not a multiprocessing spawn, which
     would import the caller's main script again: a script without an `if __name__ == "__main__"`
     guard runs once."""
     import subprocess
