@@ -170,6 +170,7 @@ class WindowPool:
         self._thread: threading.Thread | None = None
         self.stats: dict = {}
         self.where = ""                 # where the engine samples: thread or process
+        self.apart_error: str | None = None   # why the process failed, where a thread took over
         self.error: str | None = None
 
     def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
@@ -186,17 +187,39 @@ class WindowPool:
         ready = threading.Event()
         device = torch.device(ctx.device)
 
+        delivered = 0
+
+        def deliver(w):
+            nonlocal delivered
+            delivered += 1
+            self._q.put(w)
+
+        def sample(apart: bool) -> dict:
+            # on a thread, its own CUDA stream: the engine's steps can run beside training's
+            # kernels rather than queue behind them on the default stream (apart, this thread
+            # only relays)
+            on_cuda = device.type == "cuda" and not apart
+            with torch.cuda.stream(torch.cuda.Stream(device)) if on_cuda else contextlib.nullcontext():
+                return ctx.sampler(ctx.source_model, prompts, self.width, seed=seed, max_seqs=max_seqs,
+                                   deliver=deliver, stop=self._stop, ready=ready,
+                                   begin=None if apart else self._go,
+                                   **({"apart": True} if apart else {}))[1]
+
         def work():
-            # its own CUDA stream: the engine's steps can run beside training's kernels rather
-            # than queue behind them on the default stream
-            on_cuda = device.type == "cuda" and not apart   # apart, this thread only relays
-            side = torch.cuda.stream(torch.cuda.Stream(device)) if on_cuda else contextlib.nullcontext()
             try:
-                with side:
-                    self.stats = ctx.sampler(ctx.source_model, prompts, self.width, seed=seed,
-                                             max_seqs=max_seqs, deliver=self._q.put, stop=self._stop,
-                                             ready=ready, begin=None if apart else self._go,
-                                             **({"apart": True} if apart else {}))[1]
+                try:
+                    self.stats = sample(apart)
+                except Exception as e:
+                    if not apart or delivered or self._stop.is_set():
+                        raise
+                    # a process that failed before its first window (no device memory for its
+                    # copy of the model, say): this one's engine samples instead, for this
+                    # mode samples nothing before training
+                    self.apart_error = f"{type(e).__name__}: {e}"
+                    ctx.progress.log(f"heal: sampling in a process of its own failed "
+                                     f"({self.apart_error}); sampling on a thread instead")
+                    self.where = "thread"
+                    self.stats = sample(False)
             except Exception as e:  # training goes on with the windows it has; the report says why
                 self.error = f"{type(e).__name__}: {e}"
                 ctx.progress.log(f"heal: sampling beside training failed ({self.error}); training "
@@ -241,6 +264,8 @@ class WindowPool:
         out = {"refresh_in": self.where,
                "refresh_windows": self.n - (len(self.buf) - self.refresh), "refresh_trained": self.used,
                "refresh_tok_s": self.stats.get("sample_tok_s", 0.0)}
+        if self.apart_error:
+            out["refresh_apart_error"] = self.apart_error
         if self.error:
             out["refresh_error"] = self.error
         return out

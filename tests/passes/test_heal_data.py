@@ -215,6 +215,30 @@ def test_refresh_apart_samples_from_the_start_and_is_not_waited_for():
     assert st["steps"] == 3 and st["refresh_windows"] <= 4
 
 
+def test_a_sampling_process_that_fails_before_its_first_window_hands_over_to_a_thread():
+    said = []
+
+    def no_room(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False):
+        if apart:
+            raise RuntimeError("no room for a second copy")
+        ready.set()
+        for i in range(len(prompts)):
+            deliver(torch.full((length,), 7 + i, dtype=torch.long))
+        return None, {"sample_tok_s": 1.0}
+
+    m = load(SRC)
+    ctx = _ctx(SRC, m)
+    ctx.progress.log = said.append
+    ctx.sampler = no_room
+    cls = get_pass("heal")
+    st = cls(make_config(cls, {"steps": "4", "seq_len": "16", "batch": "2", "eval_windows": "2",
+                               "domain_tokens": "0", "refresh": "4", "refresh_in": "process"})).run(m.gm, ctx).stats
+    assert st["refresh_in"] == "thread" and "refresh_error" not in st
+    assert st["refresh_apart_error"] == "RuntimeError: no room for a second copy"
+    assert any("sampling on a thread instead" in s for s in said)
+    assert 0 <= st["refresh_trained"] <= st["refresh_windows"] <= 4
+
+
 def test_out_of_memory_names_the_options_that_free_it(monkeypatch):
     """A step that runs out of device memory: one error naming heal.batch, and heal.refresh
     when the engine samples beside training (its KV cache is then on the device too)."""
