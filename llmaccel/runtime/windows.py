@@ -10,6 +10,7 @@ _child.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import queue
@@ -123,8 +124,9 @@ _STOP_GRACE = 30.0  # seconds the child has to end once told to stop, before it 
 
 def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deliver, stop, ready,
                   begin) -> dict:
-    """sample_windows' streaming form in a child Python (running _child) that loads `model` again from its source (same dtype and device): each window comes back as
-    a list of ids over a pipe and is delivered here; the caller's begin and stop go to it over
+    """sample_windows' streaming form in a child Python (running _child) that loads `model`
+    again from its source (same dtype and device): each window comes back as a list of ids over
+    a pipe and is delivered here; the caller's begin and stop go to it over
     another. Not a multiprocessing spawn: that runs the caller's main script again in the child,
     all of it where the script has no `if __name__ == "__main__"` guard. Raises what the child
     raised (a model that cannot be loaded again from its source included)."""
@@ -220,36 +222,29 @@ class _Told:
             self.out.put(("ready",))
 
 
-_NOTHING = object()   # _send_all: no message waiting
-
-
 def _send_all(back, out: queue.SimpleQueue) -> None:
     """Sends what `out` gets, in order, until None; windows waiting together go as one message.
     On a thread of its own, so that the engine's loop never waits on the pipe (the engine
     finishes a whole batch of windows at one step; the parent reads them between its
     training step's launches)."""
-    item = out.get()
     while True:
-        if item is None:
-            back.send(None)
-            return
-        if item[0] != "windows":
+        items = [out.get()]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(out.get_nowait())
+        wins: list = []
+        for item in items:
+            if item is not None and item[0] == "windows":
+                wins += item[1]
+                continue
+            if wins:
+                back.send(("windows", wins))
+                wins = []
             back.send(item)
-            item = out.get()
-            continue
-        wins = list(item[1])
-        while True:
-            try:
-                item = out.get_nowait()
-            except queue.Empty:
-                item = _NOTHING
-                break
-            if item is None or item[0] != "windows":
-                break
-            wins += item[1]
-        back.send(("windows", wins))
-        if item is _NOTHING:
-            item = out.get()
+            if item is None:
+                return
+        if wins:
+            back.send(("windows", wins))
 
 
 def _child(ctl_fd: int, back_fd: int) -> None:
