@@ -87,9 +87,8 @@ class HealConfig:
     sampled: int = -1
     # What the sampled windows continue: calib, the first 32 tokens of calibration windows;
     # mixed, half of those and half built-in openings of code, dialogue, instructions,
-    # documentation and lists (eval/prompts.py); free, the beginning-of-sequence token alone
-    # (whatever the source writes unprompted); auto: mixed when the model has a tokenizer.
-    prompts: Literal["auto", "calib", "mixed", "free"] = "auto"
+    # documentation and lists (eval/prompts.py); auto: mixed when the model has a tokenizer.
+    prompts: Literal["auto", "calib", "mixed"] = "auto"
     # Windows the engine samples while training runs (sharing the device), trained on as they
     # arrive, fresh ones first: a heal that goes over its windows many times fits them rather
     # than the source (heal_data.WindowPool). 0 = none; -1 = auto: _REFRESH_AUTO on CUDA with
