@@ -47,14 +47,8 @@ _MAX_WINDOWS = 4096
 # out after ~6 minutes of a 6.5-minute gqa heal (2026-12-04); 65,536 hold ~12 minutes, in a
 # pool of 270 MB of token ids on the device.
 _REFRESH_AUTO = 65536
-# Sequences the engine samples at once (its max_num_seqs); the KV cache holds that many whole
-# windows: ~3 GB for SmolLM2 at 512 tokens in bf16 on CUDA, beside the heal's own memory.
+# heal.sample_batch's auto: sequences the engine samples at once (its max_num_seqs), by device
 _SAMPLE_BATCH = {"cuda": 256, "cpu": 16}
-
-
-def _sample_batch(model) -> int:
-    """Sequences the engine samples at once over `model` (its device's entry of _SAMPLE_BATCH)."""
-    return _SAMPLE_BATCH.get(torch.device(model.device).type, 16)
 
 
 @dataclass
@@ -104,6 +98,12 @@ class HealConfig:
     # sampled; process 124,000 beside 42,000; no sampler at all 235,000. auto: process on CUDA,
     # thread elsewhere (a 2-core CPU has no core to spare for a second copy of the model).
     refresh_in: Literal["auto", "thread", "process"] = "auto"
+    # Sequences the engine samples at once (its max_num_seqs; 0 = auto: 256 on CUDA, 16
+    # elsewhere). Its KV cache holds that many whole windows beside the heal's own memory:
+    # SmolLM2 at 513 tokens in bf16 peaked at 3.6 GiB with 256 and 12.7 GiB with 1,024. Alone on
+    # an H100 (2026-12-05, a warm process, four batches each) 1,024 sampled 114,000 tokens/s
+    # against 58,600 for 256; beside a training step, where the two share the GPU, not measured.
+    sample_batch: int = 0
     seed: int = 0            # seeds the sampled windows and the order of training windows
     # Quality on every evaluation domain (eval/domains.py) against the source: the first
     # domain_tokens predicted tokens of each (0: not measured), before the heal, at domain_evals
@@ -133,7 +133,7 @@ class HealConfig:
         for k in ("sampled", "refresh"):
             if getattr(self, k) < -1:
                 raise LlmaccelError(f"heal.{k} must be -1 (auto) or more, got {getattr(self, k)}")
-        for k in ("hidden", "warmup", "minutes", "seq_len", "batch", "kl_chunk", "seed"):
+        for k in ("hidden", "warmup", "minutes", "seq_len", "batch", "kl_chunk", "seed", "sample_batch"):
             if getattr(self, k) < 0:
                 raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
         for k in ("domain_tokens", "domain_evals"):
@@ -152,6 +152,12 @@ class HealConfig:
         if self.sampled >= 0:
             return self.sampled
         return 0 if refresh and self.apart(ctx) else _auto(ctx, 2048)
+
+    def engine_batch(self, ctx: PassContext) -> int:
+        """heal.sample_batch with auto resolved for the source model's device."""
+        if self.sample_batch:
+            return self.sample_batch
+        return _SAMPLE_BATCH.get(torch.device(ctx.source_model.device).type, 16)
 
     def apart(self, ctx: PassContext) -> bool:
         """heal.refresh_in resolved: whether the engine samples in a process of its own."""
@@ -274,7 +280,7 @@ class Heal(Pass):
             ctx.progress.log(f"heal: sampling {n} windows of {seq_len + 1} tokens ({kind} prompts)")
             sampled, more = sample_source(ctx, train, n, seq_len + 1, kind, seed=c.seed,
                                           prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
-                                          max_seqs=_sample_batch(ctx.source_model), who="heal.sampled")
+                                          max_seqs=c.engine_batch(ctx), who="heal.sampled")
             stats.update(prompts=kind, **more)
             train = torch.cat([train.cpu(), sampled])
             # interleave file and sampled windows; seeded, so a compile is reproducible
@@ -311,7 +317,7 @@ class Heal(Pass):
                 sampling.setdefault("prompts", resolve_prompts(c.prompts, ctx.source_model))
                 pool.start(ctx, train, sampling["prompts"],
                            prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)), seed=c.seed + 1,
-                           max_seqs=_sample_batch(ctx.source_model), apart=c.apart(ctx))
+                           max_seqs=c.engine_batch(ctx), apart=c.apart(ctx))
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log,
@@ -319,7 +325,7 @@ class Heal(Pass):
                 losses, timing = self._train(trainer, pool, batch, hooks, gm, ctx, domains)
         except torch.cuda.OutOfMemoryError as e:
             beside = (f" or heal.refresh=0 (the engine sampling beside training holds a KV cache "
-                      f"of {_sample_batch(ctx.source_model)} windows)") if refresh else ""
+                      f"of {c.engine_batch(ctx)} windows: heal.sample_batch)") if refresh else ""
             raise LlmaccelError(f"heal: out of device memory training {batch} x {seq_len} tokens "
                                 f"per step; set heal.batch lower{beside}") from e
         finally:

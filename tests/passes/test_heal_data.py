@@ -170,14 +170,16 @@ def test_refresh_windows_are_trained_on_first_as_they_arrive():
     seen = []
 
     def sampler(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
-        seen.append((len(prompts), length, seed))
+        seen.append((len(prompts), length, seed, max_seqs))
         for i in range(len(prompts)):   # all delivered before training starts: deterministic
             deliver(torch.full((length,), 7 + i, dtype=torch.long))
         ready.set()
         return None, {"sample_tok_s": 1.0}
 
     st = _refresh_heal(sampler)
-    assert seen == [(4, 17, 1)]           # seeded apart from heal.seed's windows
+    # seeded apart from heal.seed's windows; heal.sample_batch auto: 16 sequences at once on a CPU
+    assert seen == [(4, 17, 1, 16)]
+    assert _refresh_heal(sampler, sample_batch="3") and seen[-1][3] == 3
     assert st["refresh_windows"] == 4 and st["refresh_trained"] == 4 and "refresh_error" not in st
     assert st["distinct_windows"] == 8   # 4 steps x 2: the 4 fresh ones, then 4 of the file's
 
