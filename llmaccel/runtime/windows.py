@@ -126,10 +126,10 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
                   begin) -> dict:
     """sample_windows' streaming form in a child Python (running _child) that loads `model`
     again from its source (same dtype and device): each window comes back as a list of ids over
-    a pipe and is delivered here; the caller's begin and stop go to it over
-    another. Not a multiprocessing spawn: that runs the caller's main script again in the child,
-    all of it where the script has no `if __name__ == "__main__"` guard. Raises what the child
-    raised (a model that cannot be loaded again from its source included)."""
+    a pipe and is delivered here; the caller's begin and stop go to it over another. Not a
+    multiprocessing spawn: that runs the caller's main script again in the child, all of it where
+    the script has no `if __name__ == "__main__"` guard. Raises what the child raised (a model
+    that cannot be loaded again from its source included)."""
     from multiprocessing.connection import Connection
 
     # child -> here: ("windows", [ids, ...]), ("ready",), ("stats", d), ("error", why), then None;
