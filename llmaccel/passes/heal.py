@@ -47,8 +47,6 @@ _MAX_WINDOWS = 4096
 # out after ~6 minutes of a 6.5-minute gqa heal (2026-12-04); 65,536 hold ~12 minutes, in a
 # pool of 270 MB of token ids on the device.
 _REFRESH_AUTO = 65536
-# heal.sample_batch's auto: sequences the engine samples at once (its max_num_seqs), by device
-_SAMPLE_BATCH = {"cuda": 256, "cpu": 16}
 
 
 @dataclass
@@ -155,9 +153,7 @@ class HealConfig:
 
     def engine_batch(self, ctx: PassContext) -> int:
         """heal.sample_batch with auto resolved for the source model's device."""
-        if self.sample_batch:
-            return self.sample_batch
-        return _SAMPLE_BATCH.get(torch.device(ctx.source_model.device).type, 16)
+        return self.sample_batch or (256 if str(ctx.source_model.device).startswith("cuda") else 16)
 
     def apart(self, ctx: PassContext) -> bool:
         """heal.refresh_in resolved: whether the engine samples in a process of its own."""

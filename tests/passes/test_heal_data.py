@@ -179,9 +179,9 @@ def test_refresh_windows_are_trained_on_first_as_they_arrive():
     st = _refresh_heal(sampler)
     # seeded apart from heal.seed's windows; heal.sample_batch auto: 16 sequences at once on a CPU
     assert seen == [(4, 17, 1, 16)]
-    assert _refresh_heal(sampler, sample_batch="3") and seen[-1][3] == 3
     assert st["refresh_windows"] == 4 and st["refresh_trained"] == 4 and "refresh_error" not in st
     assert st["distinct_windows"] == 8   # 4 steps x 2: the 4 fresh ones, then 4 of the file's
+    assert _refresh_heal(sampler, sample_batch="3") and seen[-1][3] == 3
 
 
 def test_refresh_sampling_begins_after_the_first_training_step():
