@@ -85,23 +85,29 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
               "calib": calib, "calib_split": calib_split, "ops_before": model.op_counts(),
               "passes": []}
     logits = model.logits(sample) if verify else None  # of the graph as it stands
-    for i, (name, cfg) in enumerate(zip(names, configs)):
-        cls = get_pass(name)
-        ctx.later = tuple(names[i + 1:])
-        reporter.log(f"pass {name} ...")
-        t0 = time.perf_counter()
-        res = cls(cfg).run(model.gm, ctx)
-        res.gm.graph.lint()
-        res.gm.recompile()
-        model.gm = res.gm
-        entry = {"name": name, "options": dataclasses.asdict(cfg), "exact": cls.exact,
-                 "changed": res.changed, "stats": res.stats,
-                 "seconds": round(time.perf_counter() - t0, 3)}
-        if verify:
-            before, logits = logits, model.logits(sample)
-            entry["verify"] = _verify(before, logits)
-        model.recipe.append(entry)
-        report["passes"].append(entry)
+    instances = [get_pass(n)(cfg) for n, cfg in zip(names, configs)]
+    try:
+        for p in instances:
+            p.start(ctx)
+        for i, (name, p) in enumerate(zip(names, instances)):
+            ctx.later = tuple(names[i + 1:])
+            reporter.log(f"pass {name} ...")
+            t0 = time.perf_counter()
+            res = p.run(model.gm, ctx)
+            res.gm.graph.lint()
+            res.gm.recompile()
+            model.gm = res.gm
+            entry = {"name": name, "options": dataclasses.asdict(p.config), "exact": p.exact,
+                     "changed": res.changed, "stats": res.stats,
+                     "seconds": round(time.perf_counter() - t0, 3)}
+            if verify:
+                before, logits = logits, model.logits(sample)
+                entry["verify"] = _verify(before, logits)
+            model.recipe.append(entry)
+            report["passes"].append(entry)
+    finally:
+        for p in instances:
+            p.close()
     report["ops_after"] = model.op_counts()
     if verify:
         report["lowering"] = _verify_lowering(model, sample, logits)

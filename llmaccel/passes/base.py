@@ -83,6 +83,14 @@ class Pass:
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError
 
+    def start(self, ctx: PassContext) -> None:
+        """Called on every pass of a compile before the first one runs: work that needs nothing
+        from the earlier passes may begin here, to overlap them (heal: its sampling process)."""
+
+    def close(self) -> None:
+        """Called on every pass once the compile's passes end, failed or not: ends what start()
+        began and run() did not take."""
+
     # Training forms. A pass whose inference form cannot be trained directly (a progressive
     # blend that ends in a folded op, packed weights that need a straight-through estimator)
     # emits a training form when `heal` is in ctx.later. heal calls these two hooks of every

@@ -12,6 +12,7 @@ progress, and after.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -33,7 +34,7 @@ def resolve_prompts(kind: str, model) -> str:
 
 
 def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, prompt_len: int,
-                  seed: int, max_seqs: int, who: str) -> tuple[torch.Tensor, dict]:
+                  seed: int, max_seqs: int, who: str, calib_share: float = 0.5) -> tuple[torch.Tensor, dict]:
     """n windows of `length` tokens continued by the source model from prompt_ids' prompts, with
     the engine's sampler (PassContext.sampler): (windows, the sampler's stats). who: the option
     that asked, named in the error when the sampler or the source model is missing."""
@@ -41,14 +42,16 @@ def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, p
         raise LlmaccelError(f"{who} needs the engine's sampler and the source model to generate "
                             f"windows with (llmc compile and llmaccel.compile hand them over; "
                             f"PassContext.sampler)")
-    prompts = prompt_ids(ctx.source_model, calib, n, kind, prompt_len)
+    prompts = prompt_ids(ctx.source_model, calib, n, kind, prompt_len, calib_share)
     return ctx.sampler(ctx.source_model, prompts, length, seed=seed, max_seqs=max_seqs)
 
 
-def prompt_ids(model, calib: torch.Tensor, n: int, kind: str, prompt_len: int) -> list[list[int]]:
+def prompt_ids(model, calib: torch.Tensor, n: int, kind: str, prompt_len: int,
+               calib_share: float = 0.5) -> list[list[int]]:
     """n prompts of at most prompt_len tokens. calib: the openings of calibration windows (rows
-    of `calib`, cycled). mixed: every other prompt is instead one of the built-in openings of
-    other kinds of text (cycled), encoded by text_encoder (a model without a tokenizer: bytes)."""
+    of `calib`, cycled). mixed: a `calib_share` of them (evenly spread; 0.5 = every other one)
+    and, for the rest, the built-in openings of other kinds of text (cycled), encoded by
+    text_encoder (a model without a tokenizer: bytes)."""
     if kind not in ("calib", "mixed"):
         raise LlmaccelError(f"heal.prompts must be auto, calib or mixed, got {kind!r}")
     rows = [r[:prompt_len].tolist() for r in calib]
@@ -58,12 +61,15 @@ def prompt_ids(model, calib: torch.Tensor, n: int, kind: str, prompt_len: int) -
     if kind == "mixed":
         encode = text_encoder(model)
         builtin = [ids[:prompt_len] for ids in map(encode, PROMPTS) if ids]
-    out = []
+    other = 1.0 - calib_share if builtin else 0.0
+    out: list[list[int]] = []
+    taken = 0   # built-in openings so far: prompt i is one where floor((i + 1) * other) grows
     for i in range(n):
-        if builtin and i % 2:
-            out.append(builtin[(i // 2) % len(builtin)])
+        if math.floor((i + 1) * other) > taken:
+            out.append(builtin[taken % len(builtin)])
+            taken += 1
         else:
-            out.append(rows[(i // (2 if builtin else 1)) % len(rows)])
+            out.append(rows[(i - taken) % len(rows)])
     return out
 
 
@@ -164,6 +170,8 @@ class WindowPool:
         self.cursor = 0
         self.fresh: list[int] = []      # delivered, not trained on yet (oldest first)
         self.used = 0                   # fresh windows trained on
+        self.steps = 0                  # batches handed out
+        self.first_step: int | None = None   # the first batch with a fresh window in it
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._go = threading.Event()
@@ -174,7 +182,7 @@ class WindowPool:
         self.error: str | None = None
 
     def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
-              apart: bool = False) -> None:
+              apart: bool = False, calib_share: float = 0.5) -> None:
         """Start sampling `refresh` windows on a thread; returns once the engine is ready.
         apart: the engine in a process of its own, the thread only relaying its windows; it
         samples from the start (no interpreter of ours to share) and this returns at once (its
@@ -182,7 +190,7 @@ class WindowPool:
         if ctx.sampler is None or ctx.source_model is None:
             raise LlmaccelError("heal.refresh needs the engine's sampler and the source model "
                                 "(llmc compile and llmaccel.compile hand them over; PassContext.sampler)")
-        prompts = prompt_ids(ctx.source_model, calib, self.refresh, kind, prompt_len)
+        prompts = prompt_ids(ctx.source_model, calib, self.refresh, kind, prompt_len, calib_share)
         self.where = "process" if apart else "thread"
         ready = threading.Event()
         device = torch.device(ctx.device)
@@ -231,6 +239,10 @@ class WindowPool:
         if not apart:
             ready.wait()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def go(self) -> None:
         """Let the sampler start (it waits for this after capturing its graphs)."""
         self._go.set()
@@ -248,6 +260,9 @@ class WindowPool:
                 self.n += 1
         take, self.fresh = self.fresh[:size], self.fresh[size:]
         self.used += len(take)
+        if take and self.first_step is None:
+            self.first_step = self.steps
+        self.steps += 1
         rest = (self.cursor + torch.arange(size - len(take), device=self.buf.device)) % self.n
         self.cursor += size - len(take)
         if not take:   # no fresh windows (always so without refresh): no host-to-device copy
@@ -263,7 +278,7 @@ class WindowPool:
         self._thread = None
         out = {"refresh_in": self.where,
                "refresh_windows": self.n - (len(self.buf) - self.refresh), "refresh_trained": self.used,
-               "refresh_tok_s": self.stats.get("sample_tok_s", 0.0)}
+               "refresh_tok_s": self.stats.get("sample_tok_s", 0.0), "refresh_first_step": self.first_step}
         if self.apart_error:
             out["refresh_apart_error"] = self.apart_error
         if self.error:

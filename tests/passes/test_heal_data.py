@@ -40,8 +40,16 @@ def test_prompt_kinds():
     # every other prompt is a built-in opening (a preset: its UTF-8 bytes, cut to 12 tokens)
     assert mixed[0::2] == [calib[i, :12].tolist() for i in range(4)]
     assert mixed[1::2] == [list(PROMPTS[i].encode())[:12] for i in range(4)]
+    # a quarter from calibration openings, evenly spread: every fourth prompt
+    quarter = prompt_ids(m, calib, 8, "mixed", 12, calib_share=0.25)
+    assert quarter[0::4] == [calib[i, :12].tolist() for i in range(2)]
+    assert [p for i, p in enumerate(quarter) if i % 4] == [list(PROMPTS[i].encode())[:12] for i in range(6)]
+    assert prompt_ids(m, calib, 3, "mixed", 12, calib_share=0.0) == [list(PROMPTS[i].encode())[:12] for i in range(3)]
+    assert prompt_ids(m, calib, 3, "mixed", 12, calib_share=1.0) == ps[:3]
     with pytest.raises(LlmaccelError, match="heal.prompts"):
         prompt_ids(m, calib, 2, "other", 12)
+    with pytest.raises(LlmaccelError, match="heal.calib_share"):
+        make_config(get_pass("heal"), {"calib_share": "1.5"})
 
 
 def test_sample_windows_seeded_and_cache_freed(monkeypatch):
@@ -215,6 +223,48 @@ def test_refresh_apart_samples_from_the_start_and_is_not_waited_for():
     assert seen == {"apart": True, "begin": None} and "refresh_error" not in st
     assert st["refresh_in"] == "process"
     assert st["steps"] == 3 and st["refresh_windows"] <= 4
+
+
+def test_compile_starts_sampling_apart_before_the_first_pass_and_stops_it_when_a_pass_fails(monkeypatch):
+    """A heal whose engine samples in a process of its own starts it before the compile's first
+    pass (its start-up overlaps them), trains on its windows from the first step, and a compile
+    that fails before the heal runs stops it."""
+    import threading
+    import llmaccel
+    started, stopped = threading.Event(), threading.Event()
+
+    def apart(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False):
+        for i in range(len(prompts)):
+            deliver(torch.full((length,), 7 + i, dtype=torch.long))
+        started.set()
+        assert stop.wait(60)
+        stopped.set()
+        return None, {"sample_tok_s": 1.0}
+
+    relu = get_pass("relu")
+    run = relu.run
+    fail = []
+
+    def relu_run(self, gm, ctx):
+        assert started.wait(30)            # the heal's sampler runs before the first pass does
+        if fail:
+            raise LlmaccelError("relu failed")
+        return run(self, gm, ctx)
+
+    monkeypatch.setattr(relu, "run", relu_run)
+    opts = {"heal": {"steps": "2", "seq_len": "16", "batch": "2", "eval_windows": "2", "domain_tokens": "0",
+                     "refresh": "4", "refresh_in": "process"}}
+    calib = "data/wikitext2/wiki.test.raw"
+    m = llmaccel.compile(SRC, ["relu", "heal"], opts, calib=calib, progress=False, sampler=apart)
+    st = m.report["passes"][-1]["stats"]
+    assert stopped.is_set() and st["refresh_in"] == "process" and st["refresh_first_step"] == 0
+    assert st["refresh_trained"] == 4 and "refresh_error" not in st
+    started.clear()
+    stopped.clear()
+    fail.append(True)
+    with pytest.raises(LlmaccelError, match="relu failed"):
+        llmaccel.compile(SRC, ["relu", "heal"], opts, calib=calib, progress=False, sampler=apart)
+    assert stopped.is_set()
 
 
 def test_a_sampling_process_that_fails_before_its_first_window_hands_over_to_a_thread():
