@@ -78,8 +78,9 @@ class HealConfig:
     # few tokens a second).
     sampled: int = -1
     # What the sampled windows continue: calib, the first 32 tokens of calibration windows;
-    # mixed, half of those and half built-in openings of code, dialogue, instructions,
-    # documentation and lists (eval/prompts.py); auto: mixed when the model has a tokenizer.
+    # mixed, `calib_share` of those and the rest built-in openings of code, dialogue,
+    # instructions, documentation and lists (eval/prompts.py); auto: mixed when the model has a
+    # tokenizer.
     prompts: Literal["auto", "calib", "mixed"] = "auto"
     # mixed: the share of prompts that open with calibration text (the rest: built-in openings).
     # The evaluation domains other than wikitext2 are not among the calibration text's, and
@@ -261,9 +262,7 @@ class Heal(Pass):
 
     def __init__(self, config=None):
         super().__init__(config)
-        # (training windows, held-out windows, refresh, sampling stats, pool) of a pool whose
-        # sampling process start() began, until run() takes it
-        self._early: tuple | None = None
+        self._early: WindowPool | None = None   # the pool whose sampling start() began
 
     def start(self, ctx: PassContext) -> None:
         """Where the engine samples in a process of its own and nothing is sampled before
@@ -274,16 +273,14 @@ class Heal(Pass):
         if ctx.source_model is None or not c.apart(ctx):
             return
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
-        train, held, refresh, n = self._windows(ctx, seq_len, batch)
+        train, _, refresh, n = self._windows(ctx, seq_len, batch)
         if refresh and not n and ctx.sampler is not None:
-            pool = WindowPool(train, refresh)
-            sampling = {"sample_s": 0.0, "sampled_windows": 0}
-            self._sample_beside(ctx, pool, train, sampling, seq_len)
-            self._early = (train, held, refresh, sampling, pool)
+            self._early = WindowPool(train.to(ctx.device), refresh)
+            self._sample_beside(ctx, self._early, train, seq_len)
 
     def close(self) -> None:
         if self._early is not None:
-            self._early[-1].close()
+            self._early.close()
             self._early = None
 
     def _windows(self, ctx: PassContext, seq_len: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -323,13 +320,12 @@ class Heal(Pass):
             train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(c.seed))]
         return train.to(ctx.device), held.to(ctx.device), refresh, stats
 
-    def _sample_beside(self, ctx: PassContext, pool: WindowPool, train: torch.Tensor, sampling: dict,
-                       seq_len: int) -> None:
+    def _sample_beside(self, ctx: PassContext, pool: WindowPool, train: torch.Tensor, seq_len: int) -> None:
         """Start the engine sampling pool.refresh windows while training runs."""
         c = self.config
         ctx.progress.log(f"heal: sampling up to {pool.refresh} more windows while training")
-        sampling.setdefault("prompts", resolve_prompts(c.prompts, ctx.source_model))
-        pool.start(ctx, train, sampling["prompts"], prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
+        pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
+                   prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
                    seed=c.seed + 1, max_seqs=c.engine_batch(ctx), apart=c.apart(ctx),
                    calib_share=c.calib_share)
 
@@ -342,11 +338,9 @@ class Heal(Pass):
         if not params:
             raise LlmaccelError("heal: the graph has no float weights it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
-        if self._early is not None:
-            (train, held, refresh, sampling, pool), self._early = self._early, None
-        else:
-            train, held, refresh, sampling = self._data(ctx, seq_len, batch)
-            pool = WindowPool(train, refresh)
+        train, held, refresh, sampling = self._data(ctx, seq_len, batch)
+        # an early pool stays in _early until close(), which also ends it where run() fails first
+        pool = self._early or WindowPool(train, refresh)
         # Passes with a training form: "before" is measured in their unhealed inference state.
         hooks = list(registry().values())
         for h in hooks:
@@ -361,8 +355,10 @@ class Heal(Pass):
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
-            if refresh and not pool.started:
-                self._sample_beside(ctx, pool, train, sampling, seq_len)
+            if refresh:
+                sampling.setdefault("prompts", resolve_prompts(c.prompts, ctx.source_model))
+                if not pool.started:
+                    self._sample_beside(ctx, pool, train, seq_len)
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log,

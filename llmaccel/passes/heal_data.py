@@ -182,7 +182,7 @@ class WindowPool:
         self.error: str | None = None
 
     def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
-              apart: bool = False, calib_share: float = 0.5) -> None:
+              calib_share: float, apart: bool = False) -> None:
         """Start sampling `refresh` windows on a thread; returns once the engine is ready.
         apart: the engine in a process of its own, the thread only relaying its windows; it
         samples from the start (no interpreter of ours to share) and this returns at once (its
