@@ -67,10 +67,10 @@ class HealConfig:
     # elapsed share of the budget, so the lr decay and the passes' schedules still complete when
     # time runs out. The first step (which compiles) counts against the budget but not the share.
     minutes: float = 0.0
-    # Training windows sampled from the source model by the engine (temperature 1), added to
-    # the calibration windows. A file's worth of windows is seen many times in a long heal and
-    # the student starts to fit those windows rather than the source; samples are as many fresh
-    # windows as one asks for. -1 = auto: 2048 on CUDA when the engine's sampler is at hand
+    # Training windows sampled from the source model by the engine (`temperature`, `top_p`),
+    # added to the calibration windows. A file's worth of windows is seen many times in a long
+    # heal and the student starts to fit those windows rather than the source; samples are as
+    # many fresh windows as one asks for. -1 = auto: 2048 on CUDA when the engine's sampler is at hand
     # (about 70 s of an H200 before training starts; a heal on calibration windows alone fits
     # their domain: gqa to one KV head +33% on wikitext2 and +98% on other text, against +17%
     # and +45-51% with them), unless `refresh` samples in a process of its own, which delivers
@@ -86,6 +86,11 @@ class HealConfig:
     # The evaluation domains other than wikitext2 are not among the calibration text's, and
     # with 0.5 a gqa heal to one KV head ended +15% on wikitext2, +34% on code (2026-12-05).
     calib_share: float = 0.5
+    # How the engine samples those windows: its temperature and top-p (nucleus) filter. At
+    # temperature 1 unfiltered, a 135M model's continuations drift into text no real document
+    # holds (identifiers of random letters in code); a filter keeps them nearer real text.
+    temperature: float = 1.0
+    top_p: float = 1.0
     # Windows the engine samples while training runs (sharing the device), trained on as they
     # arrive, fresh ones first: a heal that goes over its windows many times fits them rather
     # than the source (heal_data.WindowPool). 0 = none; -1 = auto: _REFRESH_AUTO on CUDA with
@@ -141,6 +146,10 @@ class HealConfig:
                 raise LlmaccelError(f"heal.{k} must not be negative, got {getattr(self, k)}")
         if not 0.0 <= self.calib_share <= 1.0:
             raise LlmaccelError(f"heal.calib_share must be in [0, 1], got {self.calib_share}")
+        if not self.temperature > 0:
+            raise LlmaccelError(f"heal.temperature must be positive, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise LlmaccelError(f"heal.top_p must be in (0, 1], got {self.top_p}")
         for k in ("domain_tokens", "domain_evals"):
             if getattr(self, k) < -1:
                 raise LlmaccelError(f"heal.{k} must be -1 (auto) or more, got {getattr(self, k)}")
@@ -313,7 +322,8 @@ class Heal(Pass):
             sampled, more = sample_source(ctx, train, n, seq_len + 1, kind, seed=c.seed,
                                           prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
                                           max_seqs=c.engine_batch(ctx), who="heal.sampled",
-                                          calib_share=c.calib_share)
+                                          calib_share=c.calib_share, temperature=c.temperature,
+                                          top_p=c.top_p)
             stats.update(prompts=kind, **more)
             train = torch.cat([train.cpu(), sampled])
             # interleave file and sampled windows; seeded, so a compile is reproducible
@@ -327,7 +337,7 @@ class Heal(Pass):
         pool.start(ctx, train, resolve_prompts(c.prompts, ctx.source_model),
                    prompt_len=min(PROMPT_TOKENS, max(1, seq_len // 2)),
                    seed=c.seed + 1, max_seqs=c.engine_batch(ctx), apart=c.apart(ctx),
-                   calib_share=c.calib_share)
+                   calib_share=c.calib_share, temperature=c.temperature, top_p=c.top_p)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config

@@ -34,7 +34,8 @@ def resolve_prompts(kind: str, model) -> str:
 
 
 def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, prompt_len: int,
-                  seed: int, max_seqs: int, who: str, calib_share: float = 0.5) -> tuple[torch.Tensor, dict]:
+                  seed: int, max_seqs: int, who: str, calib_share: float = 0.5, temperature: float = 1.0,
+                  top_p: float = 1.0) -> tuple[torch.Tensor, dict]:
     """n windows of `length` tokens continued by the source model from prompt_ids' prompts, with
     the engine's sampler (PassContext.sampler): (windows, the sampler's stats). who: the option
     that asked, named in the error when the sampler or the source model is missing."""
@@ -43,7 +44,8 @@ def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, p
                             f"windows with (llmc compile and llmaccel.compile hand them over; "
                             f"PassContext.sampler)")
     prompts = prompt_ids(ctx.source_model, calib, n, kind, prompt_len, calib_share)
-    return ctx.sampler(ctx.source_model, prompts, length, seed=seed, max_seqs=max_seqs)
+    return ctx.sampler(ctx.source_model, prompts, length, seed=seed, max_seqs=max_seqs,
+                       temperature=temperature, top_p=top_p)
 
 
 def prompt_ids(model, calib: torch.Tensor, n: int, kind: str, prompt_len: int,
@@ -182,7 +184,7 @@ class WindowPool:
         self.error: str | None = None
 
     def start(self, ctx, calib: torch.Tensor, kind: str, *, prompt_len: int, seed: int, max_seqs: int,
-              calib_share: float, apart: bool = False) -> None:
+              calib_share: float, temperature: float, top_p: float, apart: bool = False) -> None:
         """Start sampling `refresh` windows on a thread; returns once the engine is ready.
         apart: the engine in a process of its own, the thread only relaying its windows; it
         samples from the start (no interpreter of ours to share) and this returns at once (its
@@ -209,7 +211,7 @@ class WindowPool:
             on_cuda = device.type == "cuda" and not apart
             with torch.cuda.stream(torch.cuda.Stream(device)) if on_cuda else contextlib.nullcontext():
                 return ctx.sampler(ctx.source_model, prompts, self.width, seed=seed, max_seqs=max_seqs,
-                                   deliver=deliver, stop=self._stop, ready=ready,
+                                   temperature=temperature, top_p=top_p, deliver=deliver, stop=self._stop, ready=ready,
                                    begin=None if apart else self._go,
                                    **({"apart": True} if apart else {}))[1]
 

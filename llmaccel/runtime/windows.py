@@ -3,7 +3,7 @@
 The heal pass's `heal.sampled` windows come from here, handed to the pass as
 `PassContext.sampler` by the frontends (`llmc compile`, `llmaccel.compile`): the engine sits
 above the passes. Every window is asked for at once, so that the engine batches them (up to
-`max_seqs` at a time), temperature 1, each request seeded; then the engine is dropped so that
+`max_seqs` at a time), temperature 1 and no top-p filter unless asked, each request seeded; then the engine is dropped so that
 its KV cache is freed before training starts. `heal.refresh`'s windows stream from here while
 training runs, from a thread of the heal or from a child Python that runs this module's
 _child.
@@ -36,10 +36,10 @@ def _release(device) -> None:
 
 @torch.no_grad()
 def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, max_seqs: int,
-                   deliver=None, stop=None, ready=None, begin=None,
-                   apart: bool = False) -> tuple[torch.Tensor | None, dict]:
+                   temperature: float = 1.0, top_p: float = 1.0, deliver=None, stop=None,
+                   ready=None, begin=None, apart: bool = False) -> tuple[torch.Tensor | None, dict]:
     """(len(prompts), length) token ids: each prompt continued by the engine over `model` with
-    temperature-1 samples to `length` tokens (end-of-sequence ignored); request i is seeded with
+    samples (temperature, top_p) to `length` tokens (end-of-sequence ignored); request i is seeded with
     (seed, i), so the windows do not depend on how the engine batches them. Also the stats:
     sample_s, sampled_tokens (generated, prompts excluded), sample_tok_s.
 
@@ -57,11 +57,12 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
         raise LlmaccelError(f"heal: every prompt must be 1..{length - 1} tokens long")
     if apart and deliver is not None:
         return None, _stream_apart(model, prompts, length, seed=seed, max_seqs=max_seqs,
-                                   deliver=deliver, stop=stop, ready=ready, begin=begin)
+                                   temperature=temperature, top_p=top_p, deliver=deliver,
+                                   stop=stop, ready=ready, begin=begin)
     t0 = time.perf_counter()
     seqs = max(1, min(len(prompts), max_seqs))
     blocks = -(-length // _BLOCK) + 1
-    params = [SamplingParams(temperature=1.0, max_tokens=length - len(p), ignore_eos=True,
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=length - len(p), ignore_eos=True,
                              seed=seed * 1_000_003 + i) for i, p in enumerate(prompts)]
     llm = None
     try:
@@ -70,7 +71,7 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
         if deliver is None:
             outs = llm.generate(prompts, params)
         else:
-            if str(llm.device).startswith("cuda"):   # temperature 1, no filter: "sample" steps
+            if str(llm.device).startswith("cuda"):   # the step graphs of these params' mode
                 llm.warmup(context=length, modes=(sample_mode(params),))
             if ready is not None:
                 ready.set()
@@ -122,8 +123,8 @@ _POLL = 0.05  # seconds between the relay's looks at the caller's events
 _STOP_GRACE = 30.0  # seconds the child has to end once told to stop, before it is killed
 
 
-def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deliver, stop, ready,
-                  begin) -> dict:
+def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, temperature: float,
+                  top_p: float, deliver, stop, ready, begin) -> dict:
     """sample_windows' streaming form in a child Python (running _child) that loads `model`
     again from its source (same dtype and device): each window comes back as a list of ids over
     a pipe and is delivered here; the caller's begin and stop go to it over another. Not a
@@ -156,7 +157,7 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, deli
     told: dict[str, float] = {}   # message -> when it was sent
     try:
         ctl.send((model.source, str(model.dtype).removeprefix("torch."), str(model.device), prompts,
-                  length, seed, max_seqs))
+                  length, seed, max_seqs, temperature, top_p))
         while True:
             due = {"begin": begin is None or begin.is_set(), "stop": stop is not None and stop.is_set()}
             for name in [n for n, now in due.items() if now and n not in told]:
@@ -272,10 +273,11 @@ def _child(ctl_fd: int, back_fd: int) -> None:
         begin.set()
 
     try:
-        source, dtype, device, prompts, length, seed, max_seqs = ctl.recv()
+        source, dtype, device, prompts, length, seed, max_seqs, temperature, top_p = ctl.recv()
         threading.Thread(target=listen, daemon=True).start()
         model = None if stop.is_set() else load(source, dtype=dtype, device=device)
         stats = {} if stop.is_set() else sample_windows(model, prompts, length, seed=seed, max_seqs=max_seqs,
+                               temperature=temperature, top_p=top_p,
                                deliver=lambda w: out.put(("windows", [w.tolist()])), stop=stop,
                                ready=_Told(out), begin=begin)[1]
         out.put(("stats", stats))

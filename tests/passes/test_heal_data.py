@@ -50,6 +50,9 @@ def test_prompt_kinds():
         prompt_ids(m, calib, 2, "other", 12)
     with pytest.raises(LlmaccelError, match="heal.calib_share"):
         make_config(get_pass("heal"), {"calib_share": "1.5"})
+    for key, bad in (("temperature", "0"), ("top_p", "0"), ("top_p", "1.5")):
+        with pytest.raises(LlmaccelError, match=f"heal.{key}"):
+            make_config(get_pass("heal"), {key: bad})
 
 
 def test_sample_windows_seeded_and_cache_freed(monkeypatch):
@@ -114,6 +117,14 @@ def test_windows_sampled_in_a_process_of_its_own_are_the_same():
                               apart=True)
     assert none is None and ready.is_set() and st["windows"] == 6
     assert sorted(w.tolist() for w in got) == sorted(a.tolist())
+    # the sampling settings reach the process: a near-zero top-p keeps only the likeliest token,
+    # so every seed gives the same (greedy) windows
+    greedy, _ = sample_windows(m, prompts, 16, seed=1, max_seqs=4, temperature=0.7, top_p=1e-6)
+    assert torch.equal(greedy, sample_windows(m, prompts, 16, seed=2, max_seqs=4, top_p=1e-6)[0])
+    assert not torch.equal(greedy, a)
+    got = []
+    sample_windows(m, prompts, 16, seed=3, max_seqs=2, deliver=got.append, apart=True, top_p=1e-6)
+    assert sorted(w.tolist() for w in got) == sorted(greedy.tolist())
     m.source = "preset:no-such-model"
     with pytest.raises(LlmaccelError, match="process of its own failed: .*no-such-model"):
         sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, apart=True)
@@ -177,7 +188,7 @@ def _refresh_heal(sampler, refresh=4, steps=4, **opts):
 def test_refresh_windows_are_trained_on_first_as_they_arrive():
     seen = []
 
-    def sampler(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
+    def sampler(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, **_):
         seen.append((len(prompts), length, seed, max_seqs))
         for i in range(len(prompts)):   # all delivered before training starts: deterministic
             deliver(torch.full((length,), 7 + i, dtype=torch.long))
@@ -195,7 +206,7 @@ def test_refresh_windows_are_trained_on_first_as_they_arrive():
 def test_refresh_sampling_begins_after_the_first_training_step():
     seen = {}
 
-    def gated(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
+    def gated(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, **_):
         ready.set()
         seen["before"] = begin.is_set()    # training has not compiled its step yet
         seen["after"] = begin.wait(60)
@@ -212,7 +223,7 @@ def test_refresh_apart_samples_from_the_start_and_is_not_waited_for():
     the heal does not wait for it to be ready: its windows are trained on as they arrive."""
     seen = {}
 
-    def apart(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False):
+    def apart(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False, **_):
         seen.update(apart=apart, begin=begin)
         for i in range(len(prompts)):
             deliver(torch.full((length,), 7 + i, dtype=torch.long))
@@ -233,7 +244,7 @@ def test_compile_starts_sampling_apart_before_the_first_pass_and_stops_it_when_a
     import llmaccel
     started, stopped = threading.Event(), threading.Event()
 
-    def apart(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False):
+    def apart(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False, **_):
         for i in range(len(prompts)):
             deliver(torch.full((length,), 7 + i, dtype=torch.long))
         started.set()
@@ -270,7 +281,7 @@ def test_compile_starts_sampling_apart_before_the_first_pass_and_stops_it_when_a
 def test_a_sampling_process_that_fails_before_its_first_window_hands_over_to_a_thread():
     said = []
 
-    def no_room(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False):
+    def no_room(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, apart=False, **_):
         if apart:
             raise RuntimeError("no room for a second copy")
         ready.set()
@@ -300,7 +311,7 @@ def test_out_of_memory_names_the_options_that_free_it(monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(heal_train.Trainer, "step", oom)
 
-    def idle(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
+    def idle(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, **_):
         ready.set()
         return None, {"sample_tok_s": 0.0}
 
@@ -311,7 +322,7 @@ def test_out_of_memory_names_the_options_that_free_it(monkeypatch):
 
 
 def test_refresh_stops_with_training_and_reports_a_failed_sampler():
-    def waits(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin):
+    def waits(model, prompts, length, *, seed, max_seqs, deliver, stop, ready, begin, **_):
         ready.set()
         assert stop.wait(60)               # nothing delivered until training ends and stops it
         return None, {"sample_tok_s": 0.0}
