@@ -70,8 +70,8 @@ class HealConfig:
     # Training windows sampled from the source model by the engine (`temperature`, `top_p`),
     # added to the calibration windows. A file's worth of windows is seen many times in a long
     # heal and the student starts to fit those windows rather than the source; samples are as
-    # many fresh windows as one asks for. -1 = auto: 2048 on CUDA when the engine's sampler is at hand
-    # (about 70 s of an H200 before training starts; a heal on calibration windows alone fits
+    # many fresh windows as one asks for. -1 = auto: 2048 on CUDA when the engine's sampler is at
+    # hand (about 70 s of an H200 before training starts; a heal on calibration windows alone fits
     # their domain: gqa to one KV head +33% on wikitext2 and +98% on other text, against +17%
     # and +45-51% with them), unless `refresh` samples in a process of its own, which delivers
     # thousands of windows while the first step compiles; 0 elsewhere (a 2-core CPU samples a

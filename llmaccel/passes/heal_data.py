@@ -34,8 +34,8 @@ def resolve_prompts(kind: str, model) -> str:
 
 
 def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, prompt_len: int,
-                  seed: int, max_seqs: int, who: str, calib_share: float = 0.5, temperature: float = 1.0,
-                  top_p: float = 1.0) -> tuple[torch.Tensor, dict]:
+                  seed: int, max_seqs: int, who: str, calib_share: float = 0.5,
+                  temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, dict]:
     """n windows of `length` tokens continued by the source model from prompt_ids' prompts, with
     the engine's sampler (PassContext.sampler): (windows, the sampler's stats). who: the option
     that asked, named in the error when the sampler or the source model is missing."""
@@ -211,7 +211,8 @@ class WindowPool:
             on_cuda = device.type == "cuda" and not apart
             with torch.cuda.stream(torch.cuda.Stream(device)) if on_cuda else contextlib.nullcontext():
                 return ctx.sampler(ctx.source_model, prompts, self.width, seed=seed, max_seqs=max_seqs,
-                                   temperature=temperature, top_p=top_p, deliver=deliver, stop=self._stop, ready=ready,
+                                   temperature=temperature, top_p=top_p, deliver=deliver,
+                                   stop=self._stop, ready=ready,
                                    begin=None if apart else self._go,
                                    **({"apart": True} if apart else {}))[1]
 

@@ -3,8 +3,8 @@
 The heal pass's `heal.sampled` windows come from here, handed to the pass as
 `PassContext.sampler` by the frontends (`llmc compile`, `llmaccel.compile`): the engine sits
 above the passes. Every window is asked for at once, so that the engine batches them (up to
-`max_seqs` at a time), temperature 1 and no top-p filter unless asked, each request seeded; then the engine is dropped so that
-its KV cache is freed before training starts. `heal.refresh`'s windows stream from here while
+`max_seqs` at a time), temperature 1 and no top-p filter unless asked, each request seeded;
+then the engine is dropped so that its KV cache is freed before training starts. `heal.refresh`'s windows stream from here while
 training runs, from a thread of the heal or from a child Python that runs this module's
 _child.
 """
@@ -39,9 +39,9 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
                    temperature: float = 1.0, top_p: float = 1.0, deliver=None, stop=None,
                    ready=None, begin=None, apart: bool = False) -> tuple[torch.Tensor | None, dict]:
     """(len(prompts), length) token ids: each prompt continued by the engine over `model` with
-    samples (temperature, top_p) to `length` tokens (end-of-sequence ignored); request i is seeded with
-    (seed, i), so the windows do not depend on how the engine batches them. Also the stats:
-    sample_s, sampled_tokens (generated, prompts excluded), sample_tok_s.
+    samples (temperature, top_p) to `length` tokens (end-of-sequence ignored); request i is
+    seeded with (seed, i), so the windows do not depend on how the engine batches them. Also the
+    stats: sample_s, sampled_tokens (generated, prompts excluded), sample_tok_s.
 
     Streaming (the heal's `heal.refresh`, run on a thread beside training): deliver(window) gets
     each (length,) window as its request finishes, in finishing order, and None comes back in
@@ -62,8 +62,8 @@ def sample_windows(model, prompts: list[list[int]], length: int, *, seed: int, m
     t0 = time.perf_counter()
     seqs = max(1, min(len(prompts), max_seqs))
     blocks = -(-length // _BLOCK) + 1
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=length - len(p), ignore_eos=True,
-                             seed=seed * 1_000_003 + i) for i, p in enumerate(prompts)]
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=length - len(p),
+                             ignore_eos=True, seed=seed * 1_000_003 + i) for i, p in enumerate(prompts)]
     llm = None
     try:
         llm = LLM(model, kv_cache_tokens=seqs * blocks * _BLOCK, max_num_seqs=seqs, block_size=_BLOCK,
