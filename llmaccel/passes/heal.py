@@ -61,6 +61,10 @@ class HealConfig:
                              # is short), 2 elsewhere
     hidden: float = 0.0      # weight of the hidden-state loss (0 = logits KL only)
     embed: bool = False      # also train the token embedding / LM head (large, usually not needed)
+    # Which of those weights train: all, or changed: only the ones the earlier passes changed
+    # or added (a weight equal to the source's of the same name stays frozen: after gqa, the
+    # attention's projections train and the MLPs and norms keep the source's values).
+    train: Literal["all", "changed"] = "all"
     eval_windows: int = 8    # held-out calibration windows for the before/after measurement
     warmup: int = 2          # linear warm-up steps, then cosine decay to lr/10
     # Wall-clock budget (0 = none): training progress is the larger of step/steps and the
@@ -192,13 +196,15 @@ def _auto(ctx: PassContext, n: int) -> int:
     return n if able and str(ctx.device).startswith("cuda") else 0
 
 
-def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.nn.Parameter]:
+def trainable_weights(gm: torch.fx.GraphModule, embed: bool,
+                      source: torch.fx.GraphModule | None = None) -> dict[str, torch.nn.Parameter]:
     """Float parameters that distillation may change, by get_attr target.
 
     Skipped: integer/packed tensors and every float tensor read by an op that also reads an
     integer one (quantization scales and zeros belong to their packed weight); the embedding and
-    LM head unless `embed`. A tied weight is one Parameter read by several nodes, so it appears
-    once here and stays tied.
+    LM head unless `embed`; with a `source` graph, every weight equal to its weight of the same
+    target (heal.train=changed). A tied weight is one Parameter read by several nodes, so it
+    appears once here and stays tied.
     """
     skip: set[str] = set()
     for node in gm.graph.nodes:
@@ -218,7 +224,21 @@ def trainable_weights(gm: torch.fx.GraphModule, embed: bool) -> dict[str, torch.
         if isinstance(t, torch.nn.Parameter) and t.is_floating_point() and id(t) not in seen:
             seen.add(id(t))
             out[node.target] = t
+    if source is not None:
+        out = {k: t for k, t in out.items() if not _unchanged(t, source, k)}
     return out
+
+
+def _unchanged(t: torch.Tensor, source: torch.fx.GraphModule, target: str) -> bool:
+    """Whether `source` holds a tensor at `target` with t's shape and values."""
+    try:
+        s = source.get_parameter(target)
+    except AttributeError:
+        try:
+            s = source.get_buffer(target)
+        except AttributeError:
+            return False
+    return s.shape == t.shape and torch.equal(s.to(t.device, t.dtype), t.detach())
 
 
 def kl_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -344,9 +364,10 @@ class Heal(Pass):
         if ctx.source_model is None:
             raise LlmaccelError("heal needs the source model to distil against (run it through compile)")
         teacher = ctx.source_model.gm
-        params = trainable_weights(gm, c.embed)
+        params = trainable_weights(gm, c.embed, teacher if c.train == "changed" else None)
         if not params:
-            raise LlmaccelError("heal: the graph has no float weights it may train")
+            what = " the earlier passes changed" if c.train == "changed" else ""
+            raise LlmaccelError(f"heal: the graph has no float weights{what} it may train")
         seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, held, refresh, sampling = self._data(ctx, seq_len, batch)
         # an early pool stays in _early until close(), which also ends it where run() fails first

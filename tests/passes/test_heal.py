@@ -111,6 +111,23 @@ def test_gqa_fuse_heal_pipeline_report_and_artifact(tmp_path):
     torch.testing.assert_close(load(str(tmp_path / "a")).logits(ids), m.logits(ids))
 
 
+def test_heal_train_changed_trains_only_what_the_passes_changed():
+    src, gqa = "preset:tiny-llama", {"kv_heads": "1", "calib_samples": "2", "calib_seq_len": "16"}
+    heal = {"steps": "3", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "1e-2", "train": "changed"}
+    source = dict(load(src).gm.named_parameters())
+    before = dict(compile(src, ["gqa"], {"gqa": gqa}, progress=False, eval_tokens=0).gm.named_parameters())
+    m = compile(src, ["gqa", "heal"], {"gqa": gqa, "heal": heal}, progress=False, eval_tokens=0)
+    changed = {k for k, v in before.items()
+               if k not in source or source[k].shape != v.shape or not torch.equal(source[k], v)}
+    moved = {k for k, v in m.gm.named_parameters() if not torch.equal(v, before[k])}
+    mlp = {k for k in before if k.split(".")[-2] in ("mlp_norm", "gate", "up", "down")}
+    assert mlp and not mlp & changed and any(".k." in k for k in changed)
+    assert moved == changed - {"embed.weight"}
+    assert m.report["passes"][-1]["stats"]["params_trained"] == sum(before[k].numel() for k in moved)
+    with pytest.raises(LlmaccelError, match="passes changed"):
+        compile(src, ["heal"], {"heal": heal}, progress=False, eval_tokens=0)
+
+
 def test_heal_after_quant_if_available():
     try:
         m = compile("preset:tiny-llama", ["gqa", "quant", "fuse", "heal"],
