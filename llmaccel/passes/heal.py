@@ -23,6 +23,7 @@ which compiles) and the sampling of training windows by the engine (`sample_s`,
 from __future__ import annotations
 
 import math
+import operator
 import time
 
 import torch
@@ -79,13 +80,11 @@ def trainable_weights(gm: torch.fx.GraphModule, embed: bool,
 def _unchanged(t: torch.Tensor, source: torch.fx.GraphModule, target: str) -> bool:
     """Whether `source` holds a tensor at `target` with t's shape and values."""
     try:
-        s = source.get_parameter(target)
+        s = operator.attrgetter(target)(source)
     except AttributeError:
-        try:
-            s = source.get_buffer(target)
-        except AttributeError:
-            return False
-    return s.shape == t.shape and torch.equal(s.to(t.device, t.dtype), t.detach())
+        return False
+    same_shape = isinstance(s, torch.Tensor) and s.shape == t.shape
+    return same_shape and torch.equal(s.to(t.device, t.dtype), t.detach())
 
 
 def kl_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

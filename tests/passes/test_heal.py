@@ -113,7 +113,8 @@ def test_gqa_fuse_heal_pipeline_report_and_artifact(tmp_path):
 
 def test_heal_train_changed_trains_only_what_the_passes_changed():
     src, gqa = "preset:tiny-llama", {"kv_heads": "1", "calib_samples": "2", "calib_seq_len": "16"}
-    heal = {"steps": "3", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "1e-2", "train": "changed"}
+    heal = {"steps": "3", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "1e-2",
+            "train": "changed"}
     source = dict(load(src).gm.named_parameters())
     before = dict(compile(src, ["gqa"], {"gqa": gqa}, progress=False, eval_tokens=0).gm.named_parameters())
     m = compile(src, ["gqa", "heal"], {"gqa": gqa, "heal": heal}, progress=False, eval_tokens=0)
