@@ -51,7 +51,9 @@ dir_of() { local d=${1//:/_}; echo "${d//=/-}"; }  # gqa1:sampled=2048 -> gqa1_s
 # gqa1 at 6e-4 beat 3e-4 on the protocol and every domain in equal 5-minute heals (H100, 2026-12-05);
 # relu at 4e-4 beat 2e-4 everywhere (H100 6.5 minutes against H200 5.5, 2026-12-06; docs/quality.md)
 lr_of() {
-  case $1 in bitlinear) echo 1e-3 ;; gqa1) echo 6e-4 ;; sla|repbn) echo 5e-4 ;; relu) echo 4e-4 ;; *) echo 2e-4 ;; esac
+  case $1 in
+    bitlinear) echo 1e-3 ;; gqa1) echo 6e-4 ;; sla|repbn) echo 5e-4 ;; relu) echo 4e-4 ;; *) echo 2e-4 ;;
+  esac
 }
 
 job() {  # the unhealed and the healed compile side by side; each report holds its held-out quality
