@@ -138,6 +138,9 @@ class Heal(Pass):
     def __init__(self, config=None):
         super().__init__(config)
         self._early: WindowPool | None = None   # the pool whose sampling start() began
+        # start()'s (seq_len, batch): run() trains with the windows start() sampled for, though
+        # the free device memory the auto batch is sized from has changed since
+        self._shape: tuple[int, int] | None = None
 
     def start(self, ctx: PassContext) -> None:
         """Where the engine samples in a process of its own and nothing is sampled before
@@ -147,7 +150,7 @@ class Heal(Pass):
         c = self.config
         if ctx.source_model is None or not c.apart(ctx):
             return
-        seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
+        seq_len, batch = self._shape = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, _, refresh, n = self._windows(ctx, seq_len, batch)
         if refresh and not n and ctx.sampler is not None:
             self._early = WindowPool(train.to(ctx.device), refresh)
@@ -214,7 +217,7 @@ class Heal(Pass):
         if not params:
             what = " the earlier passes changed" if c.train == "changed" else ""
             raise LlmaccelError(f"heal: the graph has no float weights{what} it may train")
-        seq_len, batch = auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
+        seq_len, batch = self._shape or auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, held, refresh, sampling = self._data(ctx, seq_len, batch)
         # an early pool stays in _early until close(), which also ends it where run() fails first
         pool = self._early or WindowPool(train, refresh)
@@ -225,7 +228,8 @@ class Heal(Pass):
         before = held_out_quality(gm, teacher, held, batch)
         domains = DomainEval(ctx.source_model, *c.domain_plan(ctx.device), ctx.device)
         domains.measure(gm, 0, 0)
-        dtype, backend = resolve_dtype(c.dtype, ctx.device), resolve_backend(c.compile, ctx.device)
+        dtype = resolve_dtype(c.dtype, ctx.device, params.values())
+        backend = resolve_backend(c.compile, ctx.device)
         for p in params.values():
             p.requires_grad_(True)
         # TF32 matmuls for training only (about 2x on GPUs); before/after quality stays full fp32.
@@ -248,6 +252,7 @@ class Heal(Pass):
                                 f"per step; set heal.batch lower{beside}") from e
         finally:
             refreshed = pool.close()
+            self._early = None   # its buffer of windows goes with it
             torch.set_float32_matmul_precision(precision)
             for p in params.values():
                 p.requires_grad_(False)

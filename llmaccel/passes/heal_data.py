@@ -258,7 +258,7 @@ class WindowPool:
             except queue.Empty:
                 break
             if self.n < len(self.buf):
-                self.buf[self.n] = w.to(self.buf.device)
+                self.buf[self.n].copy_(self._staged(w), non_blocking=True)
                 self.fresh.append(self.n)
                 self.n += 1
         take, self.fresh = self.fresh[:size], self.fresh[size:]
@@ -270,7 +270,14 @@ class WindowPool:
         self.cursor += size - len(take)
         if not take:   # no fresh windows (always so without refresh): no host-to-device copy
             return rest
-        return torch.cat([torch.tensor(take, dtype=torch.long).to(self.buf.device), rest])
+        fresh = self._staged(torch.tensor(take, dtype=torch.long))
+        return torch.cat([fresh.to(self.buf.device, non_blocking=True), rest])
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """t in pinned host memory when the pool is on CUDA: a copy from pageable memory waits
+        for every step queued on the device, which would end the host's lead on it at each fresh
+        window (the caching host allocator keeps the pinned block until its copy is done)."""
+        return t.pin_memory() if self.buf.is_cuda and t.device.type == "cpu" else t
 
     def close(self) -> dict:
         """Stop the sampler, wait for it; the refresh figures for the report."""

@@ -52,11 +52,17 @@ class Head(NamedTuple):
     bias: torch.Tensor | None
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype | None:
-    """The autocast dtype, or None for no autocast."""
+def resolve_dtype(name: str, device: str, weights=()) -> torch.dtype | None:
+    """The autocast dtype, or None for no autocast. float32 computes in the weights' dtype:
+    weights (the trained ones) below fp32 are raised to fp32 masters for training, so in a bf16
+    model the frozen ones would meet them in bf16 (a matmul of mixed dtypes fails): autocast to
+    the weights' own dtype then."""
     if name == "auto":
         name = "bfloat16" if str(device).startswith("cuda") else "float32"
-    return torch.bfloat16 if name == "bfloat16" else None
+    if name == "bfloat16":
+        return torch.bfloat16
+    low = [w.dtype for w in weights if w.is_floating_point() and w.dtype != torch.float32]
+    return low[0] if low else None
 
 
 def resolve_backend(name: str, device: str) -> str | None:

@@ -2,6 +2,7 @@
 (integer/packed, scales of packed weights, the embedding unless asked) stay as they were; tied
 weights stay tied; the loss curve lands in the report and the artifact."""
 import json
+import math
 
 import pytest
 import torch
@@ -127,6 +128,23 @@ def test_heal_train_changed_trains_only_what_the_passes_changed():
     assert m.report["passes"][-1]["stats"]["params_trained"] == sum(before[k].numel() for k in moved)
     with pytest.raises(LlmaccelError, match="passes changed"):
         compile(src, ["heal"], {"heal": heal}, progress=False, eval_tokens=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_heal_of_a_bf16_model_without_bf16_autocast(dtype):
+    # the trained weights become fp32 masters; the frozen ones stay bf16 (train=changed freezes
+    # the norms whose outputs feed the trained projections): it computes in bf16, trains, keeps bf16
+    src, gqa = "preset:tiny-llama", {"kv_heads": "1", "calib_samples": "2", "calib_seq_len": "16"}
+    heal = {"steps": "2", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "1e-2",
+            "train": "changed", "dtype": dtype}
+    before = compile(src, ["gqa"], {"gqa": gqa}, progress=False, eval_tokens=0, dtype="bfloat16")
+    m = compile(src, ["gqa", "heal"], {"gqa": gqa, "heal": heal}, progress=False, eval_tokens=0,
+                dtype="bfloat16")
+    st = m.report["passes"][-1]["stats"]
+    assert st["dtype"] == "bfloat16" and math.isfinite(st["kl_after"])
+    w = dict(m.gm.named_parameters())
+    assert all(t.dtype == torch.bfloat16 for t in w.values())
+    assert any(not torch.equal(t, w[k]) for k, t in before.gm.named_parameters() if ".k." in k)
 
 
 def test_heal_after_quant_if_available():
