@@ -47,7 +47,9 @@ class FitOptions:
     fit_target: Literal["source", "local"] = "source"
     fit_samples: int = 16        # calibration windows the fit runs on (one batch)
     fit_seq_len: int = 256
-    fit_damp: float = 0.01       # ridge of the least-squares fits, relative to the mean diagonal
+    # ridge of repbn's and bitlinear's least-squares fits, relative to the mean diagonal; gqa, sla
+    # and relu choose theirs on held-out tokens (ridge_refit_validated) and do not read it
+    fit_damp: float = 0.01
     fit_report_tokens: int = 2048  # tokens per domain of the before/after report (0: none)
     # the fit's text: `calib`, calibration windows only; `mixed`, half of them replaced by the
     # source model's own continuations of varied openings (code, dialogue, docs: heal's prompts)
@@ -167,7 +169,10 @@ def fit_windows(ctx, c: FitOptions) -> torch.Tensor:
         sampled, _ = sample_source(ctx, ids, n, c.fit_seq_len, "mixed",
                                    prompt_len=min(PROMPT_TOKENS, c.fit_seq_len // 2), seed=0,
                                    max_seqs=max(1, n), who="fit_data=mixed")
-        ids = torch.cat([ids[: len(ids) - n].cpu(), sampled.cpu()])
+        # interleaved: the fits choose on held-out rows (the second half of the tokens, the last
+        # windows), which must hold both kinds of text, not the sampled ones alone
+        calib = ids[: len(ids) - n].cpu()
+        ids = torch.stack([w for pair in zip(calib, sampled.cpu()) for w in pair] + list(calib[n:]))
     return ids.to(ctx.device)
 
 

@@ -43,9 +43,11 @@ from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
+from llmaccel.passes.fuse import fuse_linears
 from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit, qkv_summary
 from llmaccel.passes.sla_fit import LinearBlock
-from llmaccel.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
+from llmaccel.ir import (add_weight, is_op, op_nodes, probe, prune_weights, replace_weight, unfuse_linears,
+                         weight_of)
 
 
 @dataclass
@@ -209,6 +211,9 @@ class SLA(Pass):
             "break_even_tokens": round(state / kv_bytes, 1),
         })
         if c.fit:
+            # the q/k/v fit rewrites the q, k and v linears one by one: a fused graph's are split
+            # for it and fused again after
+            unfused = unfuse_linears(gm)
             gm.graph.lint()
             gm.recompile()
             unfitted = snapshot(gm)
@@ -220,6 +225,9 @@ class SLA(Pass):
                 stats["fit"]["qkv_fit"] = qkv_summary(log)
             if c.fit_report_tokens:
                 stats["fit"]["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
+            if unfused:
+                fuse_linears(gm)
+                prune_weights(gm)
         return PassResult(gm, len(nodes), stats)
 
 

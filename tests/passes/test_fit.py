@@ -8,6 +8,7 @@ import operator
 import pytest
 import torch
 
+from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.eval.domains import compare, graph_forward
 from llmaccel.ir import is_op, probe
@@ -118,3 +119,30 @@ def test_fit_runs_on_a_bfloat16_model(name, opts):
     ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(5))
     logits = res.gm(ids, torch.arange(24).expand_as(ids), None)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.parametrize("name", ["gqa", "sla"])
+def test_fit_after_fuse_splits_and_fuses_again(name):
+    """After `fuse` q, k and v are one linear; the fit (its q/k/v fit rewrites them one by one)
+    splits it, fits, and leaves the graph fused, no module worse."""
+    model = load(SRC)
+    fused = get_pass("fuse")().run(model.gm, PassContext(model.config, progress=Progress(False)))
+    n_linear = sum(is_op(n, ops.linear) for n in fused.gm.graph.nodes)
+    model.gm = fused.gm
+    st = _run(name, True, model)
+    assert st.stats["fit"]["modules"] > 0 and all(a <= b for b, a in st.stats["fit"]["per_module"])
+    assert sum(is_op(n, ops.linear) for n in st.gm.graph.nodes) == n_linear
+
+
+def test_mixed_fit_windows_interleave_calibration_and_sampled_text():
+    """Held-out choices take the second half of the rows: both halves hold both kinds of text."""
+    from llmaccel.passes.fitting import FitOptions, fit_windows
+    model = load(SRC)
+    calib = torch.arange(5 * 8).reshape(5, 8)
+    ctx = PassContext(model.config, progress=Progress(False), source_model=model,
+                      calib_source=lambda n, s: calib[:n, :s],
+                      sampler=lambda m, prompts, length, **k: (-torch.ones(len(prompts), length, dtype=torch.long), {}))
+    ids = fit_windows(ctx, FitOptions(fit_samples=5, fit_seq_len=8, fit_data="mixed"))
+    sampled = (ids < 0).all(dim=1).tolist()
+    assert sampled == [False, True, False, True, False]
+    assert torch.equal(ids[~torch.tensor(sampled)], calib[:3])
