@@ -56,8 +56,11 @@ class FitOptions:
     fit_data: Literal["calib", "mixed"] = "calib"
 
     def __post_init__(self):
-        if self.fit_samples < 1 or self.fit_seq_len < 2:
-            raise LlmaccelError("fit_samples must be >= 1 and fit_seq_len >= 2")
+        # two windows at least: the fits hold windows out to choose on, and fit_data=mixed
+        # samples half of them
+        if self.fit_samples < 2 or self.fit_seq_len < 2:
+            raise LlmaccelError(f"fit_samples and fit_seq_len must be >= 2, got {self.fit_samples} and "
+                                f"{self.fit_seq_len}")
         if not 0 <= self.fit_damp < 1:
             raise LlmaccelError(f"fit_damp must be in [0, 1), got {self.fit_damp}")
         if self.fit_report_tokens < 0:

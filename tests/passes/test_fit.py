@@ -146,3 +146,10 @@ def test_mixed_fit_windows_interleave_calibration_and_sampled_text():
     sampled = (ids < 0).all(dim=1).tolist()
     assert sampled == [False, True, False, True, False]
     assert torch.equal(ids[~torch.tensor(sampled)], calib[:3])
+
+
+def test_fit_refuses_a_single_window():
+    from llmaccel.errors import LlmaccelError
+    from llmaccel.passes.fitting import FitOptions
+    with pytest.raises(LlmaccelError, match="fit_samples and fit_seq_len must be >= 2"):
+        FitOptions(fit_samples=1)
