@@ -175,6 +175,7 @@ def qkv_prefit(gm, opt: QKVFit, log: list, block_cls=AttentionBlock):
                 b_node = b_old if b_old is None else replace_weight(gm, b_old, p[f"b{name}"].to(dt).contiguous(), lin)
                 lin.args = (lin.args[0], w_node, b_node)
             block.write_extra(gm, p, dt)
+            info["installed"] = True   # the layer's W_o refit kept it (the site may refuse both)
         with torch.no_grad():
             z = block.heads(block.queries(x.float(), pos), x.float(), pos, p)
         return z.to(x.dtype), p["wo"].to(dt), write
@@ -182,7 +183,7 @@ def qkv_prefit(gm, opt: QKVFit, log: list, block_cls=AttentionBlock):
 
 
 def qkv_summary(log: list[dict]) -> dict:
-    """The stats of a qkv_prefit run: layers where the fit won, each layer's held-out errors
-    (closed-form start, fitted)."""
-    return {"layers_fitted": sum("fitted" in e and e["fitted"] < e["pca"] for e in log),
+    """The stats of a qkv_prefit run (after the fit's rewrites): layers whose fitted projections
+    were installed, each layer's held-out errors (closed-form start, fitted)."""
+    return {"layers_fitted": sum(bool(e.get("installed")) for e in log),
             "heldout_err": [[round(e["pca"], 5), round(e.get("fitted", e["pca"]), 5)] for e in log]}
