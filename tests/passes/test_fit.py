@@ -12,8 +12,10 @@ from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.eval.domains import compare, graph_forward
 from llmaccel.ir import is_op, probe
+from llmaccel.errors import LlmaccelError
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
+from llmaccel.passes.fitting import FitOptions, fit_windows
 from llmaccel.runtime.windows import sample_windows
 
 SRC = "preset:tiny-llama"
@@ -88,7 +90,6 @@ def test_real_fit_lowers_kl_on_python_code():
 
 def test_mixed_fit_data_needs_the_engines_sampler():
     """repbn's default fit text (half sampled by the engine) without a sampler: one clear error."""
-    from llmaccel.errors import LlmaccelError
 
     model = load(SRC)
     ctx = PassContext(model.config, progress=Progress(False), source_model=load(SRC),
@@ -136,12 +137,12 @@ def test_fit_after_fuse_splits_and_fuses_again(name):
 
 def test_mixed_fit_windows_interleave_calibration_and_sampled_text():
     """Held-out choices take the second half of the rows: both halves hold both kinds of text."""
-    from llmaccel.passes.fitting import FitOptions, fit_windows
     model = load(SRC)
     calib = torch.arange(5 * 8).reshape(5, 8)
+    def sampler(m, prompts, length, **k):   # every sampled token -1
+        return -torch.ones(len(prompts), length, dtype=torch.long), {}
     ctx = PassContext(model.config, progress=Progress(False), source_model=model,
-                      calib_source=lambda n, s: calib[:n, :s],
-                      sampler=lambda m, prompts, length, **k: (-torch.ones(len(prompts), length, dtype=torch.long), {}))
+                      calib_source=lambda n, s: calib[:n, :s], sampler=sampler)
     ids = fit_windows(ctx, FitOptions(fit_samples=5, fit_seq_len=8, fit_data="mixed"))
     sampled = (ids < 0).all(dim=1).tolist()
     assert sampled == [False, True, False, True, False]
@@ -149,7 +150,5 @@ def test_mixed_fit_windows_interleave_calibration_and_sampled_text():
 
 
 def test_fit_refuses_a_single_window():
-    from llmaccel.errors import LlmaccelError
-    from llmaccel.passes.fitting import FitOptions
     with pytest.raises(LlmaccelError, match="fit_samples and fit_seq_len must be >= 2"):
         FitOptions(fit_samples=1)
