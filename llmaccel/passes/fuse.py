@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.ir import add_weight, fold_affine, is_op, op_nodes, prune_weights, weight_of
+from llmaccel.ir import add_weight, fold_affine, is_op, op_nodes, prune_weights, unfuse_linears, weight_of
 
 
 @dataclass
@@ -65,6 +66,18 @@ def _group_name(targets: list[str]) -> str:
     leaves = [s.rpartition(".")[2] for s in stems]
     joined = "".join(leaves) if all(len(x) == 1 for x in leaves) else "_".join(leaves)
     return f"{prefix}.{joined}" if prefix else joined
+
+
+@contextlib.contextmanager
+def unfused(gm: torch.fx.GraphModule):
+    """The body sees every fused linear split into one linear per part (passes that rewrite q,
+    k and v one by one: gqa, the q/k/v fits); what was fused is fused again after. Yields the
+    number of groups split."""
+    n = unfuse_linears(gm)
+    yield n
+    if n:
+        fuse_linears(gm)
+        prune_weights(gm)
 
 
 def fuse_linears(gm: torch.fx.GraphModule) -> dict:

@@ -28,9 +28,9 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
-from llmaccel.passes.fuse import fuse_linears
+from llmaccel.passes.fuse import unfused
 from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit, qkv_summary
-from llmaccel.ir import is_op, op_nodes, positions, probe, prune_weights, replace_weight, unfuse_linears, weight_of
+from llmaccel.ir import is_op, op_nodes, positions, probe, replace_weight, weight_of
 
 
 @dataclass
@@ -150,25 +150,23 @@ class GQA(Pass):
             return PassResult(gm, 0, {"kv_heads_before": Hkv, "kv_heads_after": Hkv})
         orig = snapshot(gm) if c.fit else None
         # A fused graph's q/k/v are one linear: split it for the merge, fuse it again after.
-        unfused = unfuse_linears(gm)
-        atts = op_nodes(gm, ops.attention)
-        sites = [_site(a) for a in atts]
-        acts = None
-        if c.method != "mean":
-            ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(ctx.device)
-            acts = _collect(gm, sites, ids)
-        for i, s in enumerate(sites):
-            self._merge(gm, s, acts[i] if acts else None, H, Hkv, hd)
-        elem = weight_of(gm, sites[0]["k"].args[1]).element_size()
-        per_tok = lambda n: 2 * len(sites) * n * hd * elem  # noqa: E731  K and V, every layer
-        stats = {"fused_groups_split_and_refused": unfused,
-                 "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
-                 "kv_bytes_per_token_before": per_tok(Hkv), "kv_bytes_per_token_after": per_tok(c.kv_heads)}
-        if c.fit:  # on the unfused graph: the K/V fit rewrites the k and v linears
-            stats["fit"] = self._fit(gm, ctx, orig)
-        if unfused:
-            fuse_linears(gm)
-            prune_weights(gm)
+        with unfused(gm) as split:
+            atts = op_nodes(gm, ops.attention)
+            sites = [_site(a) for a in atts]
+            acts = None
+            if c.method != "mean":
+                ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(ctx.device)
+                acts = _collect(gm, sites, ids)
+            for i, s in enumerate(sites):
+                self._merge(gm, s, acts[i] if acts else None, H, Hkv, hd)
+            elem = weight_of(gm, sites[0]["k"].args[1]).element_size()
+            per_tok = lambda n: 2 * len(sites) * n * hd * elem  # noqa: E731  K and V, every layer
+            stats = {"fused_groups_split_and_refused": split,
+                     "kv_heads_before": Hkv, "kv_heads_after": c.kv_heads, "method": c.method,
+                     "kv_bytes_per_token_before": per_tok(Hkv),
+                     "kv_bytes_per_token_after": per_tok(c.kv_heads)}
+            if c.fit:  # on the unfused graph: the K/V fit rewrites the k and v linears
+                stats["fit"] = self._fit(gm, ctx, orig)
         if ctx.config is not None:
             ctx.config.n_kv_heads = c.kv_heads  # the graph now caches kv_heads heads per layer
         return PassResult(gm, len(sites), stats)

@@ -252,15 +252,18 @@ class WindowPool:
 
     def batch(self, size: int) -> torch.Tensor:
         """The next step's window indices: fresh windows first, then the pool cycled."""
+        arrived = []
         while True:
             try:
-                w = self._q.get_nowait()
+                arrived.append(self._q.get_nowait())
             except queue.Empty:
                 break
-            if self.n < len(self.buf):
-                self.buf[self.n].copy_(self._staged(w), non_blocking=True)
-                self.fresh.append(self.n)
-                self.n += 1
+        arrived = arrived[: len(self.buf) - self.n]
+        if arrived:   # one copy for all the windows that arrived since the last step
+            end = self.n + len(arrived)
+            self.buf[self.n: end].copy_(self._staged(torch.stack(arrived)), non_blocking=True)
+            self.fresh.extend(range(self.n, end))
+            self.n = end
         take, self.fresh = self.fresh[:size], self.fresh[size:]
         self.used += len(take)
         if take and self.first_step is None:

@@ -61,8 +61,7 @@ def resolve_dtype(name: str, device: str, weights=()) -> torch.dtype | None:
         name = "bfloat16" if str(device).startswith("cuda") else "float32"
     if name == "bfloat16":
         return torch.bfloat16
-    low = [w.dtype for w in weights if w.is_floating_point() and w.dtype != torch.float32]
-    return low[0] if low else None
+    return next((w.dtype for w in weights if w.is_floating_point() and w.dtype != torch.float32), None)
 
 
 def resolve_backend(name: str, device: str) -> str | None:
