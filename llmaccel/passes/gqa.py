@@ -27,9 +27,9 @@ import torch.fx
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
+from llmaccel.passes.fitting import FitOptions, snapshot
 from llmaccel.passes.fuse import unfused
-from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit, qkv_summary
+from llmaccel.passes.gqa_fit import fit_attention
 from llmaccel.ir import is_op, op_nodes, positions, probe, replace_weight, weight_of
 
 
@@ -166,25 +166,10 @@ class GQA(Pass):
                      "kv_bytes_per_token_before": per_tok(Hkv),
                      "kv_bytes_per_token_after": per_tok(c.kv_heads)}
             if c.fit:  # on the unfused graph: the K/V fit rewrites the k and v linears
-                stats["fit"] = self._fit(gm, ctx, orig)
+                stats["fit"] = fit_attention(gm, ctx, c, orig, op_nodes(gm, ops.attention), "gqa fit")
         if ctx.config is not None:
             ctx.config.n_kv_heads = c.kv_heads  # the graph now caches kv_heads heads per layer
         return PassResult(gm, len(sites), stats)
-
-    def _fit(self, gm, ctx, orig) -> dict:
-        c = self.config
-        gm.graph.lint()
-        gm.recompile()
-        unfitted = snapshot(gm)
-        atts = op_nodes(gm, ops.attention)
-        log: list[dict] = []
-        prefit = qkv_prefit(gm, QKVFit(steps=c.fit_qkv_steps, lr=c.fit_qkv_lr), log) if c.fit_qkv_steps else None
-        st = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts, prefit), "gqa fit", orig)
-        if log:
-            st["qkv_fit"] = qkv_summary(log)
-        if c.fit_report_tokens:
-            st["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
-        return st
 
     def _merge(self, gm, s: dict, acts: dict | None, H: int, Hkv: int, hd: int) -> None:
         c = self.config

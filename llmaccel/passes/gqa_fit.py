@@ -187,3 +187,22 @@ def qkv_summary(log: list[dict]) -> dict:
     were installed, each layer's held-out errors (closed-form start, fitted)."""
     return {"layers_fitted": sum(bool(e.get("installed")) for e in log),
             "heldout_err": [[round(e["pca"], 5), round(e.get("fitted", e["pca"]), 5)] for e in log]}
+
+
+def fit_attention(gm, ctx, c, orig, atts: list, desc: str, block_cls=AttentionBlock) -> dict:
+    """The layer-local fit of gqa's and sla's attention blocks (the graph's q/k/v unfused): each
+    layer's projections fitted first where c.fit_qkv_steps (qkv_prefit), then W_o refitted
+    (fitting.attention_sites); the stats, with quality before and after (c.fit_report_tokens)."""
+    from llmaccel.passes.fitting import attention_sites, fit_sites, quality, snapshot
+    gm.graph.lint()
+    gm.recompile()
+    unfitted = snapshot(gm)
+    log: list[dict] = []
+    prefit = (qkv_prefit(gm, QKVFit(steps=c.fit_qkv_steps, lr=c.fit_qkv_lr), log, block_cls)
+              if c.fit_qkv_steps else None)
+    st = fit_sites(gm, ctx, c, attention_sites(gm, orig, atts, prefit), desc, orig)
+    if log:
+        st["qkv_fit"] = qkv_summary(log)
+    if c.fit_report_tokens:
+        st["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
+    return st

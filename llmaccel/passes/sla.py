@@ -42,9 +42,9 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.fitting import FitOptions, attention_sites, fit_sites, quality, snapshot
+from llmaccel.passes.fitting import FitOptions, snapshot
 from llmaccel.passes.fuse import unfused
-from llmaccel.passes.gqa_fit import QKVFit, qkv_prefit, qkv_summary
+from llmaccel.passes.gqa_fit import fit_attention
 from llmaccel.passes.sla_fit import LinearBlock
 from llmaccel.ir import add_weight, is_op, op_nodes, probe, replace_weight, weight_of
 
@@ -211,23 +211,8 @@ class SLA(Pass):
         })
         if c.fit:
             with unfused(gm):   # the q/k/v fit rewrites the q, k and v linears one by one
-                stats["fit"] = self._fit(gm, ctx, orig, nodes)
+                stats["fit"] = fit_attention(gm, ctx, c, orig, nodes, "sla fit", LinearBlock)
         return PassResult(gm, len(nodes), stats)
-
-    def _fit(self, gm, ctx, orig, nodes) -> dict:
-        c = self.config
-        gm.graph.lint()
-        gm.recompile()
-        unfitted = snapshot(gm)
-        log: list[dict] = []
-        prefit = (qkv_prefit(gm, QKVFit(steps=c.fit_qkv_steps, lr=c.fit_qkv_lr), log, LinearBlock)
-                  if c.fit_qkv_steps else None)
-        fit = fit_sites(gm, ctx, c, attention_sites(gm, orig, nodes, prefit), "sla fit", orig)
-        if log:
-            fit["qkv_fit"] = qkv_summary(log)
-        if c.fit_report_tokens:
-            fit["quality"] = quality(ctx, {"unfitted": unfitted, "fitted": gm}, c.fit_report_tokens)
-        return fit
 
 
 PASS = SLA
