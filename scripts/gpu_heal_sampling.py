@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from llmaccel.compiler.model import load
+from llmaccel.passes.heal_config import HealConfig
 from llmaccel.passes.heal_data import PROMPT_TOKENS, prompt_ids, resolve_prompts
 from llmaccel.runtime.windows import sample_windows
 
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", default="auto", choices=["auto", "calib", "mixed"])
+    ap.add_argument("--calib-share", type=float, default=HealConfig.calib_share)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -38,7 +40,7 @@ def main() -> None:
     calib = torch.randint(0, model.config.vocab_size, (64, PROMPT_TOKENS),
                           generator=torch.Generator().manual_seed(0))
     kind = resolve_prompts(a.prompts, model)
-    prompts = prompt_ids(model, calib, a.windows, kind, PROMPT_TOKENS)
+    prompts = prompt_ids(model, calib, a.windows, kind, PROMPT_TOKENS, a.calib_share)
     cuda = a.device.startswith("cuda")
     lines = [json.dumps(run(model, prompts, a, kind, cuda, i)) for i in range(a.runs)]
     print("\n".join(lines))

@@ -27,10 +27,11 @@ class Progress:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
-    def __call__(self, iterable, desc: str, total: int | None = None):
+    def __call__(self, iterable, desc: str, total: int | None = None, unit: str = "it"):
         from tqdm import tqdm
 
-        return tqdm(iterable, desc=desc, total=total, disable=not self.enabled, file=sys.stderr)
+        return tqdm(iterable, desc=desc, total=total, unit=unit, disable=not self.enabled,
+                    file=sys.stderr)
 
     def log(self, msg: str) -> None:
         if self.enabled:

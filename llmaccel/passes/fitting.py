@@ -168,10 +168,10 @@ def fit_windows(ctx, c: FitOptions) -> torch.Tensor:
     """The fit's token windows (c.fit_data)."""
     ids = ctx.calib_tokens(c.fit_samples, c.fit_seq_len)
     if c.fit_data == "mixed":
-        n = len(ids) // 2
+        n = len(ids) // 2  # half the prompts from these windows, half built-in openings
         sampled, _ = sample_source(ctx, ids, n, c.fit_seq_len, "mixed",
                                    prompt_len=min(PROMPT_TOKENS, c.fit_seq_len // 2), seed=0,
-                                   max_seqs=max(1, n), who="fit_data=mixed")
+                                   max_seqs=max(1, n), who="fit_data=mixed", calib_share=0.5)
         # interleaved: the fits choose on held-out rows (the second half of the tokens, the last
         # windows), which must hold both kinds of text, not the sampled ones alone
         calib = ids[: len(ids) - n].cpu()

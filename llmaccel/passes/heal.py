@@ -303,8 +303,11 @@ class Heal(Pass):
         pending: list[torch.Tensor] = []
         t0 = time.perf_counter()
         t1 = first_s = None  # end of the first step (compilation included)
-        bar = ctx.progress(range(c.steps), desc="heal")
-        for step in bar:
+        # with a minutes budget the bar counts percent of the training progress that ends the
+        # heal (time or steps), not steps of heal.steps, which the budget stops long before
+        bar = ctx.progress(None, desc="heal", total=100 if budget else c.steps,
+                           unit="%" if budget else "step")
+        for step in range(c.steps):
             frac = step / c.steps
             if budget and t1 is not None:
                 left = budget - first_s
@@ -330,11 +333,13 @@ class Heal(Pass):
                 if t1 is None:
                     t1, first_s = now, now - t0
                     pool.go()  # compiled: the sampler may share the interpreter now
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{losses[-1]:.4f}",
-                                    tok_s=f"{len(losses) * batch * seq_len / (now - t0):,.0f}")
+                bar.update((int(100 * frac) if budget else step + 1) - bar.n)
+                bar.set_postfix(step=step + 1, loss=f"{losses[-1]:.4f}",
+                                tok_s=f"{len(losses) * batch * seq_len / (now - t0):,.0f}")
         if pending:
             losses += torch.stack(pending).tolist()
+        bar.update((100 if budget else c.steps) - bar.n)  # a budget's last step ends short of 100%
+        bar.close()
         end = time.perf_counter()
         steady = len(losses) - 1
         return losses, {"train_s": round(end - t0, 3), "first_step_s": round(first_s or 0.0, 3),

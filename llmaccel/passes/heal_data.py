@@ -34,7 +34,7 @@ def resolve_prompts(kind: str, model) -> str:
 
 
 def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, prompt_len: int,
-                  seed: int, max_seqs: int, who: str, calib_share: float = 0.5,
+                  seed: int, max_seqs: int, who: str, calib_share: float,
                   temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, dict]:
     """n windows of `length` tokens continued by the source model from prompt_ids' prompts, with
     the engine's sampler (PassContext.sampler): (windows, the sampler's stats). who: the option
@@ -49,7 +49,7 @@ def sample_source(ctx, calib: torch.Tensor, n: int, length: int, kind: str, *, p
 
 
 def prompt_ids(model, calib: torch.Tensor, n: int, kind: str, prompt_len: int,
-               calib_share: float = 0.5) -> list[list[int]]:
+               calib_share: float) -> list[list[int]]:
     """n prompts of at most prompt_len tokens. calib: the openings of calibration windows (rows
     of `calib`, cycled). mixed: a `calib_share` of them (evenly spread; 0.5 = every other one)
     and, for the rest, the built-in openings of other kinds of text (cycled), encoded by

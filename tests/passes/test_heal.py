@@ -167,16 +167,23 @@ def test_heal_options_are_validated():
         get_pass("heal")().run(load("preset:tiny-llama").gm, PassContext(load("preset:tiny-llama").config))
 
 
-def test_heal_time_budget_stops_early_and_reports_steps_done():
+def test_heal_time_budget_stops_early_and_reports_steps_done(capsys):
     # random calibration windows: the budget, not the data, is under test (sampling 4,096
     # windows from the model took most of a minute on a loaded CPU)
     src = "preset:tiny-llama"
     m = load(src)
     _damage(m)
-    st = _run("heal", m, _ctx(src, m), steps=100000, seq_len=16, batch=1, eval_windows=2,
+    ctx = _ctx(src, m)
+    ctx.progress = Progress(True)
+    st = _run("heal", m, ctx, steps=100000, seq_len=16, batch=1, eval_windows=2,
               minutes=0.02).stats
     assert 1 <= st["steps"] < 100000
     assert st["train_tokens"] == st["steps"] * 16
+    # the bar counts percent of the budget, not of the 100,000 steps it stops long before
+    bar = capsys.readouterr().err.split("\r")
+    heal = [b for b in bar if b.startswith("heal:")]
+    assert heal and "100/100" in heal[-1] and "100000" not in "".join(heal)
+    assert "step=" in heal[-1] and "tok_s=" in heal[-1]
 
 
 def test_sampled_windows_continue_calibration_prompts_and_train():

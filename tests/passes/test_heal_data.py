@@ -34,9 +34,9 @@ def test_prompt_kinds():
     m = load(SRC)
     calib = _calib()
     assert resolve_prompts("auto", m) == "calib"   # a preset has no tokenizer
-    ps = prompt_ids(m, calib, 8, "calib", 12)
+    ps = prompt_ids(m, calib, 8, "calib", 12, calib_share=0.5)
     assert ps == [calib[i % 6, :12].tolist() for i in range(8)]
-    mixed = prompt_ids(m, calib, 8, "mixed", 12)
+    mixed = prompt_ids(m, calib, 8, "mixed", 12, calib_share=0.5)
     # every other prompt is a built-in opening (a preset: its UTF-8 bytes, cut to 12 tokens)
     assert mixed[0::2] == [calib[i, :12].tolist() for i in range(4)]
     assert mixed[1::2] == [list(PROMPTS[i].encode())[:12] for i in range(4)]
@@ -47,7 +47,7 @@ def test_prompt_kinds():
     assert prompt_ids(m, calib, 3, "mixed", 12, calib_share=0.0) == [list(PROMPTS[i].encode())[:12] for i in range(3)]
     assert prompt_ids(m, calib, 3, "mixed", 12, calib_share=1.0) == ps[:3]
     with pytest.raises(LlmaccelError, match="heal.prompts"):
-        prompt_ids(m, calib, 2, "other", 12)
+        prompt_ids(m, calib, 2, "other", 12, calib_share=0.5)
     with pytest.raises(LlmaccelError, match="heal.calib_share"):
         make_config(get_pass("heal"), {"calib_share": "1.5"})
     for key, bad in (("temperature", "0"), ("top_p", "0"), ("top_p", "1.5")):
@@ -65,7 +65,7 @@ def test_sample_windows_seeded_and_cache_freed(monkeypatch):
             made.append((self.cache, self.dtype, self.device))
 
     monkeypatch.setattr(windows_mod, "LLM", Recorded)
-    prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
+    prompts = prompt_ids(m, _calib(), 6, "mixed", 8, calib_share=0.5)
     a, st = sample_windows(m, prompts, 16, seed=1, max_seqs=4)
     assert a.shape == (6, 16) and a.dtype == torch.long
     assert 0 <= a.min() and a.max() < m.config.vocab_size
@@ -89,7 +89,7 @@ def test_sample_windows_seeded_and_cache_freed(monkeypatch):
 def test_streamed_windows_are_the_batched_ones_and_stop_ends_early():
     import threading
     m = load(SRC)
-    prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
+    prompts = prompt_ids(m, _calib(), 6, "mixed", 8, calib_share=0.5)
     a, _ = sample_windows(m, prompts, 16, seed=1, max_seqs=4)
     got, ready = [], threading.Event()
     none, st = sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, ready=ready)
@@ -110,7 +110,7 @@ def test_windows_sampled_in_a_process_of_its_own_are_the_same():
     again from its source is an error that says so."""
     import threading
     m = load(SRC)
-    prompts = prompt_ids(m, _calib(), 6, "mixed", 8)
+    prompts = prompt_ids(m, _calib(), 6, "mixed", 8, calib_share=0.5)
     a, _ = sample_windows(m, prompts, 16, seed=1, max_seqs=4)
     got, ready = [], threading.Event()
     none, st = sample_windows(m, prompts, 16, seed=1, max_seqs=2, deliver=got.append, ready=ready,
@@ -418,7 +418,7 @@ def test_real_mixed_prompts_use_the_tokenizer():
     m = load("smollm2-135m")
     assert resolve_prompts("auto", m) == "mixed"
     calib = torch.tensor([m.encode("The history of the city begins in the twelfth century.")])
-    ps = prompt_ids(m, calib, 2, "mixed", 8)
+    ps = prompt_ids(m, calib, 2, "mixed", 8, calib_share=0.5)
     assert ps[0] == calib[0, :8].tolist() and ps[1] == m.encode(PROMPTS[0])[:8]
     w, st = sample_windows(m, ps, 16, seed=0, max_seqs=2)
     assert w.shape == (2, 16) and st["sampled_tokens"] == 16
