@@ -35,7 +35,9 @@ class Progress:
 
     def log(self, msg: str) -> None:
         if self.enabled:
-            print(msg, file=sys.stderr)
+            from tqdm import tqdm
+
+            tqdm.write(msg, file=sys.stderr)  # on a line of its own above a bar that is running
 
 
 @dataclass

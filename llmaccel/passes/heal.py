@@ -22,8 +22,11 @@ which compiles) and the sampling of training windows by the engine (`sample_s`,
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import signal
+import threading
 import time
 
 import torch
@@ -127,6 +130,32 @@ def _curve(losses: list[float]) -> tuple[list[float], int]:
 
 
 _SYNC_EVERY = 8  # steps between reads of the loss (a read waits for the device)
+
+
+@contextlib.contextmanager
+def _stop_on_interrupt(log):
+    """An Event set by a Ctrl-C (SIGINT) while it is open: the heal then ends after the step
+    under way and the compile goes on with what it trained (minutes of a long heal are not
+    thrown away); a second Ctrl-C raises KeyboardInterrupt as usual. Handlers can only be set
+    in the main thread: elsewhere Ctrl-C keeps its usual effect."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        log("heal: interrupted; ending after this step and keeping what it trained "
+            "(Ctrl-C again to abort)")
+
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        # None: a handler set outside Python, which cannot be put back; the default then
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
 
 
 class Heal(Pass):
@@ -295,7 +324,8 @@ class Heal(Pass):
         """The training loop: (loss per step, timing stats). Losses are read every _SYNC_EVERY
         steps so that the host queues steps ahead of the device. When training progress reaches
         one of `domains`' points, the student is measured there in its inference state (the
-        training forms at 1.0); that time is left out of the clock (budget and throughput)."""
+        training forms at 1.0); that time is left out of the clock (budget and throughput).
+        A Ctrl-C ends it after the step under way (_stop_on_interrupt)."""
         c = self.config
         seq_len = pool.width - 1
         budget = 60 * c.minutes
@@ -307,44 +337,47 @@ class Heal(Pass):
         # heal (time or steps), not steps of heal.steps, which the budget stops long before
         bar = ctx.progress(None, desc="heal", total=100 if budget else c.steps,
                            unit="%" if budget else "step")
-        for step in range(c.steps):
-            frac = step / c.steps
-            if budget and t1 is not None:
-                left = budget - first_s
-                frac = max(frac, (time.perf_counter() - t1) / left) if left > 0 else 1.0
-                if frac >= 1.0:
+        with _stop_on_interrupt(ctx.progress.log) as interrupted:
+            for step in range(c.steps):
+                frac = step / c.steps
+                if budget and t1 is not None:
+                    left = budget - first_s
+                    frac = max(frac, (time.perf_counter() - t1) / left) if left > 0 else 1.0
+                if frac >= 1.0 or interrupted.is_set():
                     break
-            if domains.due(frac) and step:
-                if pending:  # wait for the queued steps so that their time stays training time
+                if domains.due(frac) and step:
+                    if pending:  # wait for the queued steps so that their time stays training time
+                        losses += torch.stack(pending).tolist()
+                        pending = []
+                    for h in hooks:
+                        h.heal_schedule(gm, 1.0)
+                    paused = domains.measure(gm, step, step * batch * seq_len)
+                    t0 += paused
+                    t1 = None if t1 is None else t1 + paused
+                for h in hooks:
+                    h.heal_schedule(gm, frac)
+                pending.append(trainer.step(pool.buf[pool.batch(batch), :-1], _lr_at(step, frac, c)))
+                if step in (0, c.steps - 1) or len(pending) >= _SYNC_EVERY:
                     losses += torch.stack(pending).tolist()
                     pending = []
-                for h in hooks:
-                    h.heal_schedule(gm, 1.0)
-                paused = domains.measure(gm, step, step * batch * seq_len)
-                t0 += paused
-                t1 = None if t1 is None else t1 + paused
-            for h in hooks:
-                h.heal_schedule(gm, frac)
-            pending.append(trainer.step(pool.buf[pool.batch(batch), :-1], _lr_at(step, frac, c)))
-            if step in (0, c.steps - 1) or len(pending) >= _SYNC_EVERY:
+                    now = time.perf_counter()
+                    if t1 is None:
+                        t1, first_s = now, now - t0
+                        pool.go()  # compiled: the sampler may share the interpreter now
+                    bar.update((int(100 * frac) if budget else step + 1) - bar.n)
+                    bar.set_postfix(step=step + 1, loss=f"{losses[-1]:.4f}",
+                                    tok_s=f"{len(losses) * batch * seq_len / (now - t0):,.0f}")
+            if pending:
                 losses += torch.stack(pending).tolist()
-                pending = []
-                now = time.perf_counter()
-                if t1 is None:
-                    t1, first_s = now, now - t0
-                    pool.go()  # compiled: the sampler may share the interpreter now
-                bar.update((int(100 * frac) if budget else step + 1) - bar.n)
-                bar.set_postfix(step=step + 1, loss=f"{losses[-1]:.4f}",
-                                tok_s=f"{len(losses) * batch * seq_len / (now - t0):,.0f}")
-        if pending:
-            losses += torch.stack(pending).tolist()
-        bar.update((100 if budget else c.steps) - bar.n)  # a budget's last step ends short of 100%
+        if not interrupted.is_set():  # a budget's last step ends short of 100%
+            bar.update((100 if budget else c.steps) - bar.n)
         bar.close()
         end = time.perf_counter()
         steady = len(losses) - 1
         return losses, {"train_s": round(end - t0, 3), "first_step_s": round(first_s or 0.0, 3),
                         "steady_tok_s": round(steady * batch * seq_len / (end - t1), 1)
-                        if steady and end > t1 else None}
+                        if steady and end > t1 else None,
+                        **({"interrupted_at_step": len(losses)} if interrupted.is_set() else {})}
 
 
 PASS = Heal

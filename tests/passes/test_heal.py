@@ -3,6 +3,8 @@
 weights stay tied; the loss curve lands in the report and the artifact."""
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.passes import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.heal import trainable_weights
-from llmaccel.passes.heal_train import heal_view
+from llmaccel.passes.heal_train import Trainer, heal_view
 from llmaccel.ir import op_nodes, weight_of
 from llmaccel.runtime.windows import sample_windows
 
@@ -184,6 +186,35 @@ def test_heal_time_budget_stops_early_and_reports_steps_done(capsys):
     heal = [b for b in bar if b.startswith("heal:")]
     assert heal and "100/100" in heal[-1] and "100000" not in "".join(heal)
     assert "step=" in heal[-1] and "tok_s=" in heal[-1]
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_ends_the_heal_and_keeps_what_it_trained(monkeypatch, presses):
+    # one Ctrl-C at the third step: training ends after it and the heal reports as usual; a
+    # second one aborts as Ctrl-C does, and the usual handler is back either way
+    src = "preset:tiny-llama"
+    m = load(src)
+    _damage(m)
+    step = Trainer.step
+    calls = []
+
+    def pressing(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "step", pressing)
+    usual = signal.getsignal(signal.SIGINT)
+    if presses == 2:
+        with pytest.raises(KeyboardInterrupt):
+            _run("heal", m, _ctx(src, m), steps=20, seq_len=16, batch=1, eval_windows=2)
+    else:
+        st = _run("heal", m, _ctx(src, m), steps=20, seq_len=16, batch=1, eval_windows=2).stats
+        assert st["steps"] == 3 == st["interrupted_at_step"] and len(calls) == 3
+        assert st["kl_after"] < st["kl_before"]   # measured after the three steps it trained
+    assert signal.getsignal(signal.SIGINT) is usual
 
 
 def test_sampled_windows_continue_calibration_prompts_and_train():
