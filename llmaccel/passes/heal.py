@@ -132,6 +132,19 @@ def _curve(losses: list[float]) -> tuple[list[float], int]:
 _SYNC_EVERY = 8  # steps between reads of the loss (a read waits for the device)
 
 
+def _compile_seconds() -> float | None:
+    """Seconds torch.compile has spent in this process so far (Dynamo's own tally: tracing,
+    AOTAutograd, Inductor's code generation, the kernels' compilation; forwards and backwards),
+    or None where this torch does not keep it."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        spent = calculate_time_spent()
+    except Exception:  # noqa: BLE001 - a private tally: no figure rather than no heal
+        return None
+    return spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0)
+
+
 @contextlib.contextmanager
 def _stop_on_interrupt(log):
     """An Event set by a Ctrl-C (SIGINT) while it is open: the heal then ends after the step
@@ -331,6 +344,7 @@ class Heal(Pass):
         budget = 60 * c.minutes
         losses: list[float] = []
         pending: list[torch.Tensor] = []
+        compiled_before = _compile_seconds()
         t0 = time.perf_counter()
         t1 = first_s = None  # end of the first step (compilation included)
         # with a minutes budget the bar counts percent of the training progress that ends the
@@ -374,7 +388,13 @@ class Heal(Pass):
         bar.close()
         end = time.perf_counter()
         steady = len(losses) - 1
+        compiled = _compile_seconds()
+        # torch.compile's seconds in training, nearly all in the first step: of first_step_s the
+        # rest is running it and waiting for the first windows
+        compile_s = ({"compile_s": round(compiled - compiled_before, 3)}
+                     if trainer.backend and None not in (compiled, compiled_before) else {})
         return losses, {"train_s": round(end - t0, 3), "first_step_s": round(first_s or 0.0, 3),
+                        **compile_s,
                         "steady_tok_s": round(steady * batch * seq_len / (end - t1), 1)
                         if steady and end > t1 else None,
                         **({"interrupted_at_step": len(losses)} if interrupted.is_set() else {})}

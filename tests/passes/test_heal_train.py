@@ -118,6 +118,9 @@ def test_compiled_forwards_match_eager_and_never_recompile_across_schedule_steps
         m = compile("preset:tiny-llama", ["repbn", "heal"], opts, eval_tokens=0, progress=False)
         st = m.report["passes"][-1]["stats"]
         assert st["compiled"] == mode and "compile_error" not in st
+        # torch.compile's own seconds, within the first step's, when it compiled
+        assert ("compile_s" in st) == (mode != "off")
+        assert mode == "off" or 0 < st["compile_s"] <= st["first_step_s"]
         curves[mode] = st["loss_curve"]
         # student, teacher and the KL rows: traced once each, whatever the schedule does
         assert counters["stats"]["unique_graphs"] - graphs <= (3 if mode != "off" else 0)
