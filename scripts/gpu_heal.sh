@@ -83,19 +83,25 @@ done \
   | tee "$OUT/sparsity.txt"
 reports=$(for j in $JOBS; do d=$(dir_of "$j"); [ -f "$OUT/$d/report.json" ] && echo "$OUT/$d/report.json"; done)
 [ -n "$reports" ] && $PY scripts/plot_heal.py $reports -o "$OUT/heal_gpu.png"
-# one summary line per job: unhealed and healed held-out quality
+# one summary line per job: unhealed and healed held-out quality, the domains, the throughput
 $PY - "$OUT" $JOBS <<'EOF'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-print(f"{'job':10} {'dPPL noheal':>12} {'dPPL healed':>12} {'KL healed':>10} {'steps':>6}")
+nan = float("nan")
+print(f"{'job':10} {'dPPL noheal':>12} {'dPPL healed':>12} {'KL healed':>10} {'wiki / code / docs dPPL':>24} "
+      f"{'steps':>6} {'Mtok':>6} {'steady tok/s':>12} {'first s':>8} {'compile s':>9}")
 for j in sys.argv[2:]:
     def q(name):
         p = out / name / "report.json"
         return json.loads(p.read_text()) if p.exists() else None
     a, b = q(f"{j.split(':')[0]}-noheal"), q(j.replace(":", "_").replace("=", "-"))
-    da = a["quality"]["delta_ppl_pct"] if a and "quality" in a else float("nan")
-    db = b["quality"]["delta_ppl_pct"] if b and "quality" in b else float("nan")
-    kl = b["quality"].get("kl", float("nan")) if b and "quality" in b else float("nan")
-    steps = b["passes"][-1]["stats"]["steps"] if b else 0
-    print(f"{j:10} {da:+12.2f} {db:+12.2f} {kl:10.4f} {steps:6d}")
+    da = a["quality"]["delta_ppl_pct"] if a and "quality" in a else nan
+    db = b["quality"]["delta_ppl_pct"] if b and "quality" in b else nan
+    kl = b["quality"].get("kl", nan) if b and "quality" in b else nan
+    st = b["passes"][-1]["stats"] if b else {}
+    doms = st.get("domains") if isinstance(st.get("domains"), dict) else {}
+    dom = " / ".join(f"{d['after']['delta_ppl_pct']:+.1f}" for d in doms.values() if "after" in d) or "-"
+    print(f"{j:10} {da:+12.2f} {db:+12.2f} {kl:10.4f} {dom:>24} {st.get('steps', 0):6d} "
+          f"{st.get('train_tokens', 0) / 1e6:6.1f} {st.get('steady_tok_s') or nan:12,.0f} "
+          f"{st.get('first_step_s', nan):8.1f} {st.get('compile_s', nan):9.1f}")
 EOF
