@@ -39,7 +39,7 @@ def cmd_compile(a) -> None:
 
     model = compile(a.src, a.passes or "", parse_sets(a.set), calib=a.calib, calib_split=a.calib_split,
                     verify=a.verify, eval_tokens=a.eval_tokens, dtype=a.dtype, device=a.device,
-                    sampler=sample_windows)
+                    sampler=sample_windows, baseline=a.baseline)
     model.save(a.output, model.report, force=a.force)
     print(render_markdown(model.report))
     print(f"wrote {a.output}")
@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="PASS.KEY=VALUE")
     p.add_argument("--calib", default="self", help="calibration text file, or 'self' (samples of the source)")
     p.add_argument("--calib-split", default="first-half", choices=["first-half", "second-half", "all"])
+    p.add_argument("--baseline", default=None, metavar="SRC",
+                   help="the model the passes fit to and distil from and the quality check compares "
+                        "with (default: src); the original model when src is an artifact to heal further")
     p.add_argument("--verify", action="store_true", help="compare logits before/after each pass")
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="held-apart tokens for the quality check (default 4096 when a pass is approximate)")

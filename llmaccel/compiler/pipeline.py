@@ -55,10 +55,14 @@ def _verify(before: torch.Tensor, after: torch.Tensor) -> dict:
 
 def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "self",
             calib_split: str = "first-half", verify: bool = False, eval_tokens: int | None = None,
-            dtype="float32", device: str = "cpu", progress: bool = True, sampler=None) -> Model:
+            dtype="float32", device: str = "cpu", progress: bool = True, sampler=None,
+            baseline: str | None = None) -> Model:
     """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how.
     sampler: what passes that generate text continue prompts with (PassContext.sampler;
-    llmaccel.compile and `llmc compile` give the engine's)."""
+    llmaccel.compile and `llmc compile` give the engine's). baseline: the model the approximate
+    passes fit to and distil from and the quality check compares with, read with its tokenizer
+    (default: `source` as loaded); e.g. the original model when `source` is an artifact to heal
+    further, which would otherwise be its own teacher."""
     if calib_split not in SPLITS:
         raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
     if calib != "self" and not Path(calib).is_file():
@@ -74,16 +78,19 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     configs = [make_config(get_pass(n), options.get(n, {})) for n in names]
     model = load(source, dtype=dtype, device=device)
     reporter = Progress(progress)
-    # Passes and the quality check compare against the model as it was loaded.
-    baseline = load(source, dtype=dtype, device=device) if any(not get_pass(n).exact for n in names) else None
+    # Passes and the quality check compare against the model as it was loaded, or the baseline.
+    reference = (load(baseline or source, dtype=dtype, device=device)
+                 if baseline or any(not get_pass(n).exact for n in names) else None)
+    if baseline:
+        _check_baseline(model.config, reference.config, source, baseline)
     ctx = PassContext(model.config, device, reporter,
-                      calib_source=_calib_source(calib, calib_split, baseline or model, progress),
-                      source_model=baseline, sampler=sampler)
+                      calib_source=_calib_source(calib, calib_split, reference or model, progress),
+                      source_model=reference, sampler=sampler)
     sample = torch.randint(0, model.config.vocab_size, (2, 16),
                            generator=torch.Generator().manual_seed(0)).to(device)
     report = {"source": source, "dtype": str(model.dtype).removeprefix("torch."),
               "calib": calib, "calib_split": calib_split, "ops_before": model.op_counts(),
-              "passes": []}
+              **({"baseline": baseline} if baseline else {}), "passes": []}
     logits = model.logits(sample) if verify else None  # of the graph as it stands
     instances = [get_pass(n)(cfg) for n, cfg in zip(names, configs)]
     try:
@@ -112,12 +119,22 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     if verify:
         report["lowering"] = _verify_lowering(model, sample, logits)
     if eval_tokens is None:
-        eval_tokens = 4096 if baseline is not None else 0
+        eval_tokens = 4096 if reference is not None else 0
     if eval_tokens:
-        report["quality"] = _held_apart_quality(model, baseline or load(source, dtype=dtype, device=device),
+        report["quality"] = _held_apart_quality(model, reference or load(source, dtype=dtype, device=device),
                                                 calib, calib_split, eval_tokens, progress)
     model.report = report
     return model
+
+
+def _check_baseline(config, ref, source: str, baseline: str) -> None:
+    """The passes compare the two layer by layer and logit by logit: same vocabulary, width and
+    depth, of the same family (heads may differ: gqa changes them)."""
+    for k in ("family", "vocab_size", "hidden_size", "n_layers"):
+        if getattr(config, k) != getattr(ref, k):
+            raise LlmaccelError(f"baseline {baseline} has {k}={getattr(ref, k)} where {source} has "
+                                f"{getattr(config, k)}; the baseline must be a model of the same shape "
+                                f"(for an artifact, the model it was compiled from)")
 
 
 def _verify_lowering(model: Model, sample: torch.Tensor, logits: torch.Tensor) -> dict:

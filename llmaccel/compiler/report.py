@@ -14,7 +14,8 @@ def _fmt(v) -> str:
 
 def render_markdown(r: dict) -> str:
     lines = [f"# Compile report: {r['source']}", "",
-             f"dtype {r['dtype']}; calibration: {r['calib']} ({r['calib_split']})", ""]
+             f"dtype {r['dtype']}; calibration: {r['calib']} ({r['calib_split']})"
+             + (f"; compared with {r['baseline']}" if r.get("baseline") else ""), ""]
     if r["passes"]:
         lines += ["| pass | exact | changed | stats | verify max abs | seconds |",
                   "|---|---|---|---|---|---|"]
@@ -46,6 +47,7 @@ def render_markdown(r: dict) -> str:
             lines.append(f"Quality: skipped ({q['skipped']}).")
         else:
             lines.append(f"Quality on {q['text']}, {q['tokens']} tokens, ctx {q['ctx']}: "
-                         f"ppl {q['ppl']:.4f} (source {q['baseline_ppl']:.4f}, "
+                         f"ppl {q['ppl']:.4f} ({'baseline' if r.get('baseline') else 'source'} "
+                         f"{q['baseline_ppl']:.4f}, "
                          f"{q['delta_ppl_pct']:+.2f}%), KL {q['kl']:.5f}, top-1 {100 * q['top1']:.2f}%")
     return "\n".join(lines) + "\n"

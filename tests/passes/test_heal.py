@@ -217,6 +217,24 @@ def test_ctrl_c_ends_the_heal_and_keeps_what_it_trained(monkeypatch, presses):
     assert signal.getsignal(signal.SIGINT) is usual
 
 
+def test_an_artifact_heals_further_against_its_baseline(tmp_path):
+    first = compile("preset:tiny-llama", ["gqa"], {"gqa": {"kv_heads": "1"}}, eval_tokens=0, progress=False)
+    first.save(tmp_path / "a", first.report)
+    heal = {"heal": {"steps": "6", "seq_len": "16", "batch": "2", "eval_windows": "2"}}
+    # without a baseline the artifact is its own teacher: nothing to learn
+    alone = compile(str(tmp_path / "a"), ["heal"], heal, eval_tokens=0, progress=False)
+    assert alone.report["passes"][-1]["stats"]["kl_before"] < 1e-6
+    m = compile(str(tmp_path / "a"), ["heal"], heal, baseline="preset:tiny-llama", eval_tokens=64,
+                progress=False)
+    st = m.report["passes"][-1]["stats"]
+    assert m.report["baseline"] == "preset:tiny-llama"
+    assert 0.01 < st["kl_before"] and st["kl_after"] < st["kl_before"]
+    assert [e["name"] for e in m.recipe] == ["gqa", "heal"]
+    assert m.report["quality"]["kl"] > 0   # measured against the baseline, not the artifact
+    with pytest.raises(LlmaccelError, match="family"):
+        compile(str(tmp_path / "a"), ["heal"], heal, baseline="preset:tiny-gpt2", progress=False)
+
+
 def test_sampled_windows_continue_calibration_prompts_and_train():
     src = "preset:tiny-llama"
     m = load(src)
