@@ -11,7 +11,10 @@
 #   option overrides, e.g. gqa1:sampled=4096:lr=6e-4 (--set heal.sampled=4096 --set heal.lr=6e-4);
 #   a key with a dot sets that option as given (relu:relu.shift=0.25 -> --set relu.shift=0.25);
 #   gqa1:refresh=0 trains without the windows sampled while it trains (heal.refresh, on by default);
-#   a variant reuses its base job's unhealed compile, so list the base job too for that column.
+#   a variant reuses its base job's unhealed compile, so list the base job too for that column;
+#   gqa1+ heals the artifact OUTDIR/gqa1 of an earlier run further (llmc compile --baseline SRC;
+#   its learning rate starts again), e.g. a 10-minute heal as 6.5 minutes, then 3.5 more in a
+#   second call on the same machine with OUTDIR under /tmp (the device's OUT is new each call).
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
 # heal.dtype, docs/quality.md). Loss curves are in each
@@ -58,13 +61,22 @@ lr_of() {
 
 job() {  # the unhealed and the healed compile side by side; each report holds its held-out quality
   local name=$1 base=${1%%:*} spec passes extra="" kv
-  spec=$(passes_of "$base") || return 1
-  passes=${spec%% *}
-  local opts=${spec#"$passes"}
   local rest=${name#"$base"}
   for kv in ${rest//:/ }; do
     case ${kv%%=*} in *.*) extra="$extra --set $kv" ;; *) extra="$extra --set heal.$kv" ;; esac
   done
+  if [[ $base == *+ ]]; then  # gqa1+: heal OUT/gqa1 further, against the model it came from
+    local prior=${base%+}
+    [ -d "$OUT/$prior" ] || { echo "no $OUT/$prior to heal further" >&2; return 1; }
+    $LLMC compile "$OUT/$prior" --device cuda --passes heal $HEAL --set heal.lr=$(lr_of "$prior") $extra \
+      --baseline "$SRC" --calib "$TEXT" --calib-split first-half --eval-tokens 8192 \
+      -o "$OUT/$(dir_of "$name")" > "$OUT/$(dir_of "$name").compile.txt" 2>&1
+    echo "$name done"
+    return
+  fi
+  spec=$(passes_of "$base") || return 1
+  passes=${spec%% *}
+  local opts=${spec#"$passes"}
   if [ -z "$rest" ]; then  # variants share their base job's unhealed compile
     $LLMC compile "$SRC" --device cuda --passes "$passes" $opts --calib "$TEXT" --calib-split first-half \
       --eval-tokens 8192 -o "$OUT/$base-noheal" > "$OUT/$base-noheal.compile.txt" 2>&1 &
@@ -78,7 +90,7 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
 for j in $JOBS; do job "$j"; done
 # sparsity after heal (heal changes the weights, so the relu pass's own figure is pre-heal)
 for j in $JOBS; do
-  case ${j%%:*} in relu|drelu) d=$(dir_of "$j"); [ -d "$OUT/$d" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$d" --text "$TEXT" --device cuda ;; esac
+  case ${j%%:*} in relu|drelu|relu+|drelu+) d=$(dir_of "$j"); [ -d "$OUT/$d" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$d" --text "$TEXT" --device cuda ;; esac
 done \
   | tee "$OUT/sparsity.txt"
 reports=$(for j in $JOBS; do d=$(dir_of "$j"); [ -f "$OUT/$d/report.json" ] && echo "$OUT/$d/report.json"; done)
