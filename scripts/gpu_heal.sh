@@ -14,7 +14,8 @@
 #   a variant reuses its base job's unhealed compile, so list the base job too for that column;
 #   gqa1+ heals the artifact OUTDIR/gqa1 of an earlier run further (llmc compile --baseline SRC;
 #   its learning rate starts again), e.g. a 10-minute heal as 6.5 minutes, then 3.5 more in a
-#   second call on the same machine with OUTDIR under /tmp (the device's OUT is new each call).
+#   second call on the same machine with OUTDIR under /tmp (the device's OUT is new each call);
+#   relu+ and drelu+ keep the shift the first heal ended with (not held: sparsity may fall).
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
 # heal.dtype, docs/quality.md). Loss curves are in each
