@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
             raise LlmaccelError(f"options given for pass {name!r}, which is not in the pass list")
     configs = [make_config(get_pass(n), options.get(n, {})) for n in names]
     model = load(source, dtype=dtype, device=device)
+    if not baseline and model.recipe:
+        _check_own_teacher(source, names)
     reporter = Progress(progress)
     # Passes and the quality check compare against the model as it was loaded, or the baseline.
     reference = (load(baseline or source, dtype=dtype, device=device)
@@ -125,6 +128,21 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
                                                 calib, calib_split, eval_tokens, progress)
     model.report = report
     return model
+
+
+def _check_own_teacher(source: str, names: list[str]) -> None:
+    """A heal of an artifact with only exact passes before it would distil the model against
+    itself (KL 0 from the first step): refused before minutes of it, naming the model the
+    artifact was compiled from."""
+    if "heal" not in names or not all(get_pass(n).exact for n in names[:names.index("heal")]):
+        return
+    try:
+        origin = json.loads((Path(source) / "manifest.json").read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        origin = None
+    raise LlmaccelError(f"heal: {source} is an artifact and would be its own teacher (KL 0: nothing to "
+                        f"learn); give --baseline the model it was compiled from"
+                        + (f" ({origin})" if origin else ""))
 
 
 def _check_baseline(config, ref, source: str, baseline: str) -> None:
