@@ -15,7 +15,7 @@
 #   gqa1+ heals the artifact OUTDIR/gqa1 of an earlier run further (llmc compile --baseline SRC;
 #   its learning rate starts again), e.g. a 10-minute heal as 6.5 minutes, then 3.5 more in a
 #   second call on the same machine with OUTDIR under /tmp (the device's OUT is new each call);
-#   relu+ and drelu+ keep the shift the first heal ended with (not held: sparsity may fall).
+#   relu+ and drelu+ solve the shift again for their sparsity and hold it (relu on a ReLUfied graph).
 # Env: SRC (model source, default smollm2-135m), LLMC (CLI command), PY, TEXT.
 # Healing runs in bf16 autocast with fp32 master weights (AdamW updates vanish in bf16 weights;
 # heal.dtype, docs/quality.md). Loss curves are in each
@@ -67,9 +67,13 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
     case ${kv%%=*} in *.*) extra="$extra --set $kv" ;; *) extra="$extra --set heal.$kv" ;; esac
   done
   if [[ $base == *+ ]]; then  # gqa1+: heal OUT/gqa1 further, against the model it came from
-    local prior=${base%+}
+    local prior=${base%+} cont=heal copts=""
     [ -d "$OUT/$prior" ] || { echo "no $OUT/$prior to heal further" >&2; return 1; }
-    $LLMC compile "$OUT/$prior" --device cuda --passes heal $HEAL --set heal.lr=$(lr_of "$prior") $extra \
+    case $prior in  # relu solves its shift again and holds its sparsity through this heal too
+      relu|drelu) spec=$(passes_of "$prior"); copts=${spec#relu }; copts=${copts/--set relu.fit=true/}
+                  cont=relu,heal ;;
+    esac
+    $LLMC compile "$OUT/$prior" --device cuda --passes $cont $copts $HEAL --set heal.lr=$(lr_of "$prior") $extra \
       --baseline "$SRC" --calib "$TEXT" --calib-split first-half --eval-tokens 8192 \
       -o "$OUT/$(dir_of "$name")" > "$OUT/$(dir_of "$name").compile.txt" 2>&1
     echo "$name done"

@@ -19,7 +19,8 @@ shift a 0-dim buffer) and holds that sparsity through the heal: every 2% of trai
 the shift is solved again on the same tokens, so the heal improves quality at the asked
 sparsity instead of trading sparsity for it (with a fixed shift of 0.25 an H200 heal took relu
 from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); heal_finish solves it once
-more and writes it back as a float.
+more and writes it back as a float. On a graph ReLUfied before (an artifact healed further)
+`relu.sparsity` solves the shift again and holds it through a heal after it; nothing else moves.
 """
 from __future__ import annotations
 
@@ -183,9 +184,12 @@ class Relu(Pass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config
         mlps = op_nodes(gm, ops.silu_mul)
+        if not mlps and op_nodes(gm, ops.relu_mul, relu_glu) and c.sparsity:
+            return self._retarget(gm, ctx)
         if not mlps:
             fam = ctx.config.family if ctx.config is not None else "this"
-            raise LlmaccelError(f"relu: the {fam} graph has no SiLU-gated MLP (silu_mul) to ReLUfy")
+            raise LlmaccelError(f"relu: the {fam} graph has no SiLU-gated MLP (silu_mul) to ReLUfy "
+                                f"(a ReLUfied one takes relu.sparsity, to solve and hold it again)")
         ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(ctx.device)
         downs = [_down_of(a) for a in mlps]
         orig = snapshot(gm) if c.fit else None
@@ -222,6 +226,42 @@ class Relu(Pass):
             "sparsity_min": round(min(sparsity), 4), "sparsity_max": round(max(sparsity), 4),
             "sparsity_per_layer": [round(s, 4) for s in sparsity],
             "down_bytes_skippable": round(mean, 4), **({"fit": fit} if fit is not None else {})})
+
+    def _retarget(self, gm, ctx) -> PassResult:
+        """A graph ReLUfied before (an artifact healed further): the shift solved again for
+        `relu.sparsity` and, with a heal after it, held through that heal. The MLPs' weights,
+        biases and fit stay as they were."""
+        c = self.config
+        acts = op_nodes(gm, ops.relu_mul, relu_glu)
+        kinds = {a.kwargs.get("kind", "relu") for a in acts}
+        if kinds != {c.kind}:
+            raise LlmaccelError(f"relu: the graph's MLPs are ReLUfied with kind {', '.join(sorted(kinds))}, "
+                                f"not relu.kind={c.kind}")
+        if c.fit:
+            raise LlmaccelError("relu.fit: the graph's MLPs are ReLUfied already; the fit needs the SiLU "
+                                "MLPs they replaced")
+        ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(ctx.device)
+        gate_up = [n for a in acts for n in a.args[:2]]
+        before = float(acts[0].kwargs.get("shift", 0.0))
+        for _ in range(_SOLVE_ROUNDS):  # each layer's gates move with the earlier layers' shift
+            v = _probe(gm, gate_up, ids)
+            shift = shift_for(v[0::2], v[1::2], c.kind, c.sparsity)
+            del v
+            self._set_acts(acts, shift)
+        sparsity = measure_sparsity(gm, ids)
+        for act, sp in zip(acts, sparsity):   # the lowering's hint
+            down = next(iter(act.users))
+            if is_op(down, sparse_down):
+                down.kwargs = {**down.kwargs, "sparsity": round(sp, 4)}
+        held = "heal" in ctx.later
+        if held:
+            self._hold(gm, acts, ids, shift)
+        mean = sum(sparsity) / len(sparsity)
+        return PassResult(gm, len(acts), {
+            "kind": c.kind, "mlps": len(acts), "retargeted": True, "shift_before": round(before, 6),
+            "shift": round(float(shift), 6), "sparsity_target": c.sparsity, "held_through_heal": held,
+            "sparsity_mean": round(mean, 4), "sparsity_min": round(min(sparsity), 4),
+            "sparsity_max": round(max(sparsity), 4), "sparsity_per_layer": [round(x, 4) for x in sparsity]})
 
     def _fit(self, gm, ctx, orig, mlps, downs) -> dict:
         """Each down-projection refitted to the original MLP's output (module docstring)."""

@@ -173,6 +173,36 @@ def test_heal_holds_the_target_sparsity():
     assert [n.kwargs["sparsity"] for n in op_nodes(m.gm, sparse_down)] == held["sparsity_per_layer"]
 
 
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer")
+def test_a_relu_artifact_is_held_again_at_a_new_sparsity(tmp_path):
+    """An artifact healed further: relu on its ReLUfied graph solves the shift again for
+    relu.sparsity and holds it through the heal; weights, bias and kind stay; the fit and
+    another kind are refused."""
+    calib = {"calib_samples": "4", "calib_seq_len": "32"}
+    first = compile("preset:tiny-llama", ["relu"], {"relu": {**calib, "sparsity": "0.6"}},
+                    progress=False, eval_tokens=0)
+    first.save(tmp_path / "a", first.report)
+    weights = dict(first.gm.named_parameters())
+    heal = {"steps": "8", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "3e-2"}
+    m = compile(str(tmp_path / "a"), ["relu", "heal"], {"relu": {**calib, "sparsity": "0.8"}, "heal": heal},
+                baseline="preset:tiny-llama", progress=False, eval_tokens=0)
+    relu_st, heal_st = (p["stats"] for p in m.report["passes"])
+    assert relu_st["retargeted"] and relu_st["shift"] > relu_st["shift_before"]
+    assert abs(relu_st["sparsity_mean"] - 0.8) < 0.02 and relu_st["held_through_heal"]
+    assert abs(heal_st["relu_held"]["sparsity_mean"] - 0.8) < 0.01   # held through the heal
+    assert m.op_counts()["relu_glu"] == 2 and m.op_counts()["sparse_down"] == 2
+    alone = compile(str(tmp_path / "a"), ["relu"], {"relu": {**calib, "sparsity": "0.8"}},
+                    baseline="preset:tiny-llama", progress=False, eval_tokens=0)
+    assert all(torch.equal(v, weights[k]) for k, v in alone.gm.named_parameters())
+    for bad, match in (({"kind": "drelu"}, "kind relu, not relu.kind=drelu"), ({"fit": "true"}, "ReLUfied already")):
+        with pytest.raises(LlmaccelError, match=match):
+            compile(str(tmp_path / "a"), ["relu"], {"relu": {**calib, "sparsity": "0.8", **bad}},
+                    baseline="preset:tiny-llama", progress=False, eval_tokens=0)
+    with pytest.raises(LlmaccelError, match="takes relu.sparsity"):
+        compile(str(tmp_path / "a"), ["relu"], {"relu": calib}, baseline="preset:tiny-llama",
+                progress=False, eval_tokens=0)
+
+
 def test_heal_finish_without_the_hold_keeps_the_shift_it_has():
     """A module rebuilt between relu and heal loses the hold (a plain attribute): the training
     form still ends as relu_glu, with the shift its buffer holds."""
