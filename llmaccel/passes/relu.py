@@ -168,6 +168,14 @@ def _down_refit(gm, orig, x: torch.fx.Node, down: torch.fx.Node, errs: list, upd
     return site
 
 
+def _hint_sparsity(acts: list[torch.fx.Node], sparsity: list[float]) -> None:
+    """Each sparse_down's `sparsity` (the lowering's hint) set to its activation's measured one."""
+    for act, s in zip(acts, sparsity):
+        down = next(iter(act.users))
+        if is_op(down, sparse_down):
+            down.kwargs = {**down.kwargs, "sparsity": round(s, 4)}
+
+
 def _down_of(act: torch.fx.Node) -> torch.fx.Node:
     users = list(act.users)
     if len(users) != 1 or not is_op(users[0], ops.linear) or users[0].args[0] is not act:
@@ -249,10 +257,7 @@ class Relu(Pass):
             del v
             self._set_acts(acts, shift)
         sparsity = measure_sparsity(gm, ids)
-        for act, sp in zip(acts, sparsity):   # the lowering's hint
-            down = next(iter(act.users))
-            if is_op(down, sparse_down):
-                down.kwargs = {**down.kwargs, "sparsity": round(sp, 4)}
+        _hint_sparsity(acts, sparsity)
         held = "heal" in ctx.later
         if held:
             self._hold(gm, acts, ids, shift)
@@ -336,10 +341,7 @@ class Relu(Pass):
         del gm.relu_hold
         gm.recompile()
         sparsity = measure_sparsity(gm, hold.ids)
-        for act, s in zip(acts, sparsity):   # the lowering's hint, measured on the healed weights
-            down = next(iter(act.users))
-            if is_op(down, sparse_down):
-                down.kwargs = {**down.kwargs, "sparsity": round(s, 4)}
+        _hint_sparsity(acts, sparsity)   # measured on the healed weights
         return {"relu_held": {"target": hold.target, "shift": round(shift, 6),
                               "sparsity_mean": round(sum(sparsity) / len(sparsity), 4),
                               "sparsity_per_layer": [round(s, 4) for s in sparsity]}}
