@@ -73,7 +73,8 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
       relu|drelu) spec=$(passes_of "$prior"); copts=${spec#relu }; copts=${copts/--set relu.fit=true/}
                   cont=relu,heal ;;
     esac
-    $LLMC compile "$OUT/$prior" --device cuda --passes $cont $copts $HEAL --set heal.lr=$(lr_of "$prior") $extra \
+    $LLMC compile "$OUT/$prior" --device cuda --passes $cont $copts $HEAL \
+      --set heal.lr=$(lr_of "$prior") $extra \
       --baseline "$SRC" --calib "$TEXT" --calib-split first-half --eval-tokens 8192 \
       -o "$OUT/$(dir_of "$name")" > "$OUT/$(dir_of "$name").compile.txt" 2>&1
     echo "$name done"
@@ -95,7 +96,9 @@ job() {  # the unhealed and the healed compile side by side; each report holds i
 for j in $JOBS; do job "$j"; done
 # sparsity after heal (heal changes the weights, so the relu pass's own figure is pre-heal)
 for j in $JOBS; do
-  case ${j%%:*} in relu|drelu|relu+|drelu+) d=$(dir_of "$j"); [ -d "$OUT/$d" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$d" --text "$TEXT" --device cuda ;; esac
+  case ${j%%:*} in
+    relu|drelu|relu+|drelu+) d=$(dir_of "$j")
+      [ -d "$OUT/$d" ] && $PY scripts/plot_heal.py --sparsity "$OUT/$d" --text "$TEXT" --device cuda ;; esac
 done \
   | tee "$OUT/sparsity.txt"
 reports=$(for j in $JOBS; do d=$(dir_of "$j"); [ -f "$OUT/$d/report.json" ] && echo "$OUT/$d/report.json"; done)
