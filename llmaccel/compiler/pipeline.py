@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 
 from llmaccel.codegen.lower import lower
 from llmaccel.compiler import executor
+from llmaccel.compiler.artifact import read_manifest
 from llmaccel.compiler.model import Model, load
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import SPLITS, load_tokens
@@ -137,12 +137,12 @@ def _check_own_teacher(source: str, names: list[str]) -> None:
     if "heal" not in names or not all(get_pass(n).exact for n in names[:names.index("heal")]):
         return
     try:
-        origin = json.loads((Path(source) / "manifest.json").read_text())["source"]
-    except (OSError, ValueError, KeyError, TypeError):
+        origin = read_manifest(Path(source)).get("source")
+    except LlmaccelError:
         origin = None
     raise LlmaccelError(f"heal: {source} is an artifact and would be its own teacher (KL 0: nothing to "
                         f"learn); give --baseline the model it was compiled from"
-                        + (f" ({origin})" if origin else ""))
+                        + (f" ({origin})" if isinstance(origin, str) else ""))
 
 
 def _check_baseline(config, ref, source: str, baseline: str) -> None:

@@ -23,6 +23,7 @@ from llmaccel import ops
 from llmaccel.ops.attention import causal_attention
 from llmaccel.ops.rope import rope_at, rope_inv_freq
 from llmaccel.ir import is_op, replace_weight, weight_of
+from llmaccel.passes.fitting import attention_sites, fit_sites, quality, snapshot
 
 
 @dataclass
@@ -193,7 +194,6 @@ def fit_attention(gm, ctx, c, orig, atts: list, desc: str, block_cls=AttentionBl
     """The layer-local fit of gqa's and sla's attention blocks (the graph's q/k/v unfused): each
     layer's projections fitted first where c.fit_qkv_steps (qkv_prefit), then W_o refitted
     (fitting.attention_sites); the stats, with quality before and after (c.fit_report_tokens)."""
-    from llmaccel.passes.fitting import attention_sites, fit_sites, quality, snapshot
     gm.graph.lint()
     gm.recompile()
     unfitted = snapshot(gm)
