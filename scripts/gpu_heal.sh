@@ -51,7 +51,9 @@ passes_of() {  # job -> pass list and options
     *) echo "unknown job $1" >&2; return 1 ;;
   esac
 }
-dir_of() { local d=${1//:/_}; echo "${d//=/-}"; }  # gqa1:sampled=2048 -> gqa1_sampled-2048 (plain file names)
+# plain file names (the device returns no other): gqa1:sampled=2048 -> gqa1_sampled-2048,
+# gqa1+:lr=2e-4 -> gqa1-more_lr-2e-4
+dir_of() { local d=${1//:/_}; d=${d//+/-more}; echo "${d//=/-}"; }
 # gqa1 at 6e-4 beat 3e-4 on the protocol and every domain in equal 5-minute heals (H100, 2026-12-05);
 # relu at 4e-4 beat 2e-4 everywhere (H100 6.5 minutes against H200 5.5, 2026-12-06; docs/quality.md)
 lr_of() {
@@ -114,7 +116,8 @@ for j in sys.argv[2:]:
     def q(name):
         p = out / name / "report.json"
         return json.loads(p.read_text()) if p.exists() else None
-    a, b = q(f"{j.split(':')[0]}-noheal"), q(j.replace(":", "_").replace("=", "-"))
+    a = q(f"{j.split(':')[0].rstrip('+')}-noheal")
+    b = q(j.replace(":", "_").replace("+", "-more").replace("=", "-"))
     da = a["quality"]["delta_ppl_pct"] if a and "quality" in a else nan
     db = b["quality"]["delta_ppl_pct"] if b and "quality" in b else nan
     kl = b["quality"].get("kl", nan) if b and "quality" in b else nan
