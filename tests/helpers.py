@@ -17,3 +17,16 @@ def hf_model(cfg, weights):
 def hf_for_source(src):
     s = resolve(src)
     return hf_model(s.config, s.weights)
+
+
+def assert_greedy_matches_logits(m, prompt: list[int], n: int) -> None:
+    """Greedy generation through the model's decode context = the argmax of whole-sequence
+    forwards, token by token (a recurrent state or a cache that drifts shows here)."""
+    import torch
+
+    from llmaccel.sampling import SamplingParams
+    out = list(m.generate_ids(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(m.logits(torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(prompt):]

@@ -14,6 +14,11 @@ With ctx None the op is the whole-sequence causal form, computed chunk by chunk 
 masked phi(q) phi(k)^T v plus the running state), differentiable for heal. With a context the
 op calls `ctx.linear_attend`: LinearAttentionCache keeps, per layer, S (B, Hkv, D, D), z (B, Hkv, D)
 and the last K-1 values, so a decode step costs the same at any length.
+
+With `window` > 0 the op is the sliding-window hybrid of ops/sla_window.py: exact softmax over
+the last `window` tokens and the first `sinks`, this linear attention over the tokens between,
+one normalizer, a per-head log-scale `mix` (an extra weight argument); its state also keeps
+those tokens' keys and values.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.sla_window import empty_kept, window_forward, window_state_bytes, window_whole
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
 
@@ -70,7 +76,9 @@ def _expand_v(v: torch.Tensor, n_kv_heads: int, group: int, head_dim: int) -> to
     B, T, _ = v.shape
     if group == 1:
         return v
-    return v.view(B, T, n_kv_heads, 1, head_dim).expand(B, T, n_kv_heads, group, head_dim).reshape(B, T, -1)
+    # the width spelled out: with kernel_size 1 the conv's history has T = 0
+    return v.view(B, T, n_kv_heads, 1, head_dim).expand(B, T, n_kv_heads, group, head_dim).reshape(
+        B, T, n_kv_heads * group * head_dim)
 
 
 def _dwconv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -84,11 +92,15 @@ def _dwconv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor) -> torch.Tenso
 
 
 def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim: int,
-                kernel_size: int, eps: float, state=None):
+                kernel_size: int, eps: float, window: int = 0, sinks: int = 0,
+                scale: float | None = None, mix: torch.Tensor | None = None, state=None,
+                with_state: bool = True):
     """The op's math from a recurrent state (None = empty). Returns (out, new state).
 
     q (B, T, H*D), k and v (B, T, Hkv*D), conv_weight (H*D or Hkv*D, kernel_size).
-    state = (S (B, Hkv, D, D) fp32, z (B, Hkv, D) fp32, tail (B, K-1, Hkv*D) last values).
+    state = (S (B, Hkv, D, D) fp32, z (B, Hkv, D) fp32, tail (B, K-1, Hkv*D) last values), and
+    with a window the kept keys, values, their positions and the count of tokens seen.
+    with_state False: the state is not advanced (the whole-sequence form discards it).
     """
     B, T, _ = q.shape
     H, Hkv, D, K = n_heads, n_kv_heads, head_dim, kernel_size
@@ -98,14 +110,29 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
     if conv_weight.shape[1] != K or conv_weight.shape[0] not in (H * D, Hkv * D):
         raise LlmaccelError(f"linear_attention: conv_weight is {tuple(conv_weight.shape)}; expected "
                             f"({H * D} or {Hkv * D}, {K})")
-    if state is None:
+    if window and (mix is None or mix.numel() != H):
+        raise LlmaccelError(f"linear_attention: a window needs a mix weight of {H} values")
+    whole = state is None
+    if whole:
         state = _init_state(B, Hkv, D, Hkv * D, K, q.device, v.dtype)
-    S, z, tail = state
-    qh = torch.relu(q.float()).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
-    kh = torch.relu(k.float()).view(B, T, Hkv, D).transpose(1, 2)
-    vh = v.float().view(B, T, Hkv, D).transpose(1, 2)
-    o, S, z = _la_chunks(qh, kh, vh, S, z, eps)
-    o = o.permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        if window:
+            state = (*state, *empty_kept(B, Hkv * D, q.device, v.dtype))
+    S, z, tail = state[:3]
+    kept = ()
+    if window and not with_state and whole:
+        o = window_whole(q, k, v, mix, n_heads=H, n_kv_heads=Hkv, head_dim=D, window=window,
+                         sinks=sinks, scale=D ** -0.5 if scale is None else scale, eps=eps)
+    elif window:
+        o, S, z, kept = window_forward(q, k, v, mix, n_heads=H, n_kv_heads=Hkv, head_dim=D,
+                                       window=window, sinks=sinks,
+                                       scale=D ** -0.5 if scale is None else scale, eps=eps,
+                                       S=S, z=z, kept=tuple(state[3:]), with_state=with_state)
+    else:
+        qh = torch.relu(q.float()).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+        kh = torch.relu(k.float()).view(B, T, Hkv, D).transpose(1, 2)
+        vh = v.float().view(B, T, Hkv, D).transpose(1, 2)
+        o, S, z = _la_chunks(qh, kh, vh, S, z, eps)
+        o = o.permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
     vt = torch.cat([tail.to(v.dtype), v], 1)                        # (B, K-1+T, Hkv*D)
     w = conv_weight.float()
     if w.shape[0] == H * D:
@@ -113,12 +140,13 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
     else:
         conv = _expand_v(_dwconv(v.float(), w, tail.float()), Hkv, G, D)
     new_tail = vt[:, vt.shape[1] - (K - 1):]
-    return (o + conv).to(q.dtype), (S, z, new_tail)
+    return (o + conv).to(q.dtype), (S, z, new_tail, *kept)
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx,
-                     conv_weight: torch.Tensor, *, layer: int, n_heads: int, n_kv_heads: int,
-                     head_dim: int, kernel_size: int, eps: float) -> torch.Tensor:
+                     conv_weight: torch.Tensor, mix: torch.Tensor | None = None, *, layer: int,
+                     n_heads: int, n_kv_heads: int, head_dim: int, kernel_size: int, eps: float,
+                     window: int = 0, sinks: int = 0, scale: float | None = None) -> torch.Tensor:
     """SLA in place of `attention`, on (B, T, H * head_dim) inputs (see the module docstring).
 
     ctx None: the whole-sequence causal form. Otherwise the context keeps this layer's recurrent
@@ -126,8 +154,10 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx,
     """
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
               kernel_size=kernel_size, eps=eps)
+    if window:
+        kw.update(window=window, sinks=sinks, scale=scale, mix=mix)
     if ctx is None:
-        return sla_forward(q, k, v, conv_weight, **kw)[0]
+        return sla_forward(q, k, v, conv_weight, with_state=False, **kw)[0]
     attend = getattr(ctx, "linear_attend", None)
     if attend is None:
         raise LlmaccelError(f"layer {layer} is linear attention (sla) and needs a recurrent-state "
@@ -138,10 +168,13 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx,
 torch.fx.wrap("linear_attention")
 
 
-def state_bytes(n_kv_heads: int, head_dim: int, kernel_size: int, dtype_bytes: int = 2) -> int:
-    """Recurrent state of one layer for one sequence: S and z in fp32, K-1 values in the model dtype."""
+def state_bytes(n_kv_heads: int, head_dim: int, kernel_size: int, dtype_bytes: int = 2,
+                window: int = 0, sinks: int = 0) -> int:
+    """Recurrent state of one layer for one sequence: S and z in fp32, K-1 values in the model
+    dtype, and with a window the kept keys and values."""
     return n_kv_heads * (head_dim * head_dim + head_dim) * 4 + \
-        (kernel_size - 1) * n_kv_heads * head_dim * dtype_bytes
+        (kernel_size - 1) * n_kv_heads * head_dim * dtype_bytes + \
+        (window_state_bytes(n_kv_heads, head_dim, window, sinks, dtype_bytes) if window else 0)
 
 
 class LinearAttentionCache:
@@ -212,10 +245,10 @@ class LinearAttentionCache:
         return sum(t.nbytes for st in self.state.values() for t in st)
 
 
-def replay(state, k, v, *, n_heads, n_kv_heads, head_dim, kernel_size, eps):
+def replay(state, k, v, *, n_heads, n_kv_heads, head_dim, kernel_size, **kw):
     """The state after feeding k, v (B, m, Hkv*D) on top of `state` (None = empty)."""
     B, m, _ = k.shape
     q = k.new_zeros(B, m, n_heads * head_dim)  # outputs are discarded; only the state matters
     w = k.new_zeros(n_kv_heads * head_dim, kernel_size)
     return sla_forward(q, k, v, w, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                       kernel_size=kernel_size, eps=eps, state=state)[1]
+                       kernel_size=kernel_size, state=state, **kw)[1]

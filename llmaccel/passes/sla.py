@@ -25,6 +25,13 @@ first fitted by Adam to the softmax attention block's output (attention transfer
 the ReLU feature map reads the projections, so fitting them fits the map), kept where they beat
 the closed-form start on held-out windows, then W_o is refitted by least squares.
 
+Window (`sla.window=W`, `sla.sinks=N`; 0 = SLAB as published): exact softmax attention over the
+last W tokens and the first N, linear attention over the tokens between, one normalizer
+(ops/sla_window.py, LoLCATs' hybrid), a new per-layer weight `layers.{i}.sla_mix.weight` (one
+log-scale per query head) started where the linear part's mass on calibration text matches the
+softmax's mass on the same tokens; the conv, the gain and the attention transfer are then fitted
+with the window in place. The state keeps N + W - 1 keys and values more per layer.
+
 Stats: layers replaced, KV bytes per token before (bf16) vs recurrent-state bytes per sequence
 after (constant in length), the length where the two break even, and for `fit` the mean
 relative error of the attention output without and with the fitted conv on calibration text.
@@ -41,6 +48,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.kvquant import kv_quant_attention
 from llmaccel.ops.sla import _expand_v, linear_attention, sla_forward, state_bytes
+from llmaccel.ops.sla_window import mix_init
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.fitting import FitOptions, snapshot
 from llmaccel.passes.fuse import unfused
@@ -63,6 +71,9 @@ class SLAConfig(FitOptions):
     # and their learning rate (relative to each weight's RMS)
     fit_qkv_steps: int = 150
     fit_qkv_lr: float = 0.01
+    # exact softmax attention over the last `window` tokens and the first `sinks` (0: none)
+    window: int = 0
+    sinks: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,6 +87,11 @@ class SLAConfig(FitOptions):
             raise LlmaccelError(f"sla.ridge must not be negative, got {self.ridge}")
         if self.fit_qkv_steps < 0 or self.fit_qkv_lr <= 0:
             raise LlmaccelError("sla.fit_qkv_steps must be >= 0 and sla.fit_qkv_lr positive")
+        if self.window < 0 or self.sinks < 0:
+            raise LlmaccelError(f"sla.window and sla.sinks must not be negative, got {self.window} "
+                                f"and {self.sinks}")
+        if self.sinks and not self.window:
+            raise LlmaccelError("sla.sinks needs sla.window: without a window every token is linear")
 
 
 def _taps(x: torch.Tensor, K: int) -> torch.Tensor:
@@ -93,13 +109,38 @@ def _o_linear(gm: torch.fx.GraphModule, att: torch.fx.Node) -> torch.fx.Node | N
     return users[0] if w.is_floating_point() and w.dim() == 2 else None
 
 
+def _scale(n: torch.fx.Node) -> float:
+    return n.kwargs.get("scale") or n.kwargs["head_dim"] ** -0.5
+
+
+@torch.no_grad()
+def fit_mix(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Tensor, window: int,
+            sinks: int) -> list[torch.Tensor]:
+    """Per layer, the log-scale per query head that gives the window's linear part the mass the
+    softmax puts on the same tokens, summed over the calibration windows (0 where none has any)."""
+    probed = probe(gm, [x for n in nodes for x in n.args[:2]])
+    soft, lin = [0.0] * len(nodes), [0.0] * len(nodes)
+    for i in range(ids.shape[0]):
+        x = ids[i:i + 1]
+        vals = probed(x, torch.arange(x.shape[1], device=x.device)[None], None)
+        for li, n in enumerate(nodes):
+            kw = n.kwargs
+            a, b = mix_init(vals[2 * li].float(), vals[2 * li + 1].float(), n_heads=kw["n_heads"],
+                            n_kv_heads=kw["n_kv_heads"], head_dim=kw["head_dim"], window=window,
+                            sinks=sinks, scale=_scale(n))
+            soft[li], lin[li] = soft[li] + a, lin[li] + b
+    return [torch.where((a > 0) & (b > 0), a.clamp_min(1e-300).log() - b.clamp_min(1e-300).log(),
+                        torch.zeros_like(a)).float() for a, b in zip(soft, lin)]
+
+
 @torch.no_grad()
 def fit_conv(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Tensor, K: int,
-             eps: float, ridge: float, progress) -> list[dict]:
+             eps: float, ridge: float, progress, win: list[dict] | None = None) -> list[dict]:
     """Per layer, least-squares statistics of softmax output ~ gain * linear-attention + conv(v).
 
     Per channel c of the H*D outputs, the regressors are the K value taps and the linear-attention
     output; the Gram matrix (C, K+1, K+1) and right-hand side are summed over calibration tokens.
+    `win`: per layer, the window's options (window, sinks, scale, mix) of the linear attention.
     """
     probed = probe(gm, [x for n in nodes for x in (*n.args[:3], n)])
     acc = [{"gram": 0, "xr": 0, "aa": 0} for _ in nodes]
@@ -111,7 +152,8 @@ def fit_conv(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Te
             H, Hkv, D = kw["n_heads"], kw["n_kv_heads"], kw["head_dim"]
             q, k, v, att = (t.float() for t in vals[4 * li: 4 * li + 4])
             la = sla_forward(q, k, v, q.new_zeros(H * D, K), n_heads=H, n_kv_heads=Hkv,
-                             head_dim=D, kernel_size=K, eps=eps)[0]
+                             head_dim=D, kernel_size=K, eps=eps, with_state=False,
+                             **(win[li] if win else {}))[0]
             X = torch.cat([_taps(_expand_v(v, Hkv, H // Hkv, D)[0].double(), K),
                            la[0].double()[..., None]], -1)                 # (T, H*D, K+1)
             a, t = acc[li], att[0].double()
@@ -166,9 +208,16 @@ class SLA(Pass):
         orig = snapshot(gm) if c.fit else None
         stats: dict = {"init": c.init}
         fits = [None] * len(nodes)
+        win = None
+        if c.window:
+            ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(p0.device)
+            win = [{"window": c.window, "sinks": c.sinks, "scale": _scale(n), "mix": m.to(p0.device)}
+                   for n, m in zip(nodes, fit_mix(gm, nodes, ids, c.window, c.sinks))]
+            stats.update({"window": c.window, "sinks": c.sinks,
+                          "mix_mean": round(sum(w["mix"].mean().item() for w in win) / len(win), 3)})
         if c.init == "fit":
             ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(p0.device)
-            acc = fit_conv(gm, nodes, ids, c.kernel_size, c.eps, c.ridge, ctx.progress)
+            acc = fit_conv(gm, nodes, ids, c.kernel_size, c.eps, c.ridge, ctx.progress, win)
             lin, err, gains = [], [], 0
             for i, (n, a) in enumerate(zip(nodes, acc)):
                 o = _o_linear(gm, n) if c.gain else None
@@ -196,12 +245,15 @@ class SLA(Pass):
             w = fits[i] if c.init == "fit" else torch.zeros(H * D, c.kernel_size)
             wn = add_weight(gm, f"layers.{layer}.sla_conv.weight", w.to(p0.dtype).to(p0.device), n)
             q, k, v, actx = n.args[:4]
-            n.target = linear_attention
-            n.args = (q, k, v, actx, wn)
-            n.kwargs = {"layer": layer, "n_heads": H, "n_kv_heads": Hkv, "head_dim": D,
-                        "kernel_size": c.kernel_size, "eps": c.eps}
+            kwargs = {"layer": layer, "n_heads": H, "n_kv_heads": Hkv, "head_dim": D,
+                      "kernel_size": c.kernel_size, "eps": c.eps}
+            args = (q, k, v, actx, wn)
+            if win:   # the mix stays fp32: it is exponentiated
+                args += (add_weight(gm, f"layers.{layer}.sla_mix.weight", win[i]["mix"].float(), n),)
+                kwargs.update(window=c.window, sinks=c.sinks, scale=win[i]["scale"])
+            n.target, n.args, n.kwargs = linear_attention, args, kwargs
             kv_bytes += 2 * Hkv * D * 2
-            state += state_bytes(Hkv, D, c.kernel_size, 2)
+            state += state_bytes(Hkv, D, c.kernel_size, 2, window=c.window, sinks=c.sinks)
         stats.update({
             "layers": len(nodes), "attention_ops_replaced": len(nodes), "kernel_size": c.kernel_size,
             "conv_params": len(nodes) * H * D * c.kernel_size,

@@ -17,15 +17,26 @@ from llmaccel.ir import replace_weight, weight_of
 
 
 class LinearBlock(AttentionBlock):
-    """One layer's linear attention block as a function of its projections and conv weight."""
+    """One layer's linear attention block as a function of its projections, conv weight and, with
+    a window, the mix (trained too: the scale between the exact and the linear part)."""
     kwargs = ("n_heads", "n_kv_heads", "head_dim", "kernel_size", "eps")
 
+    def __init__(self, gm, att):
+        super().__init__(gm, att)
+        self.kw.update({k: att.kwargs[k] for k in ("window", "sinks", "scale") if k in att.kwargs})
+
     def attend(self, q, k, v, p: dict) -> torch.Tensor:
-        return sla_forward(q, k, v, p["conv"], **self.kw)[0]
+        return sla_forward(q, k, v, p["conv"], mix=p.get("mix"), with_state=False, **self.kw)[0]
 
     def extra(self, gm) -> dict:
-        return {"conv": weight_of(gm, self.att.args[4]).float()}
+        out = {"conv": weight_of(gm, self.att.args[4]).float()}
+        if len(self.att.args) > 5:
+            out["mix"] = weight_of(gm, self.att.args[5]).float()
+        return out
 
     def write_extra(self, gm, p: dict, dt) -> None:
-        self.att.args = (*self.att.args[:4], replace_weight(gm, self.att.args[4], p["conv"].to(dt).contiguous(),
-                                                            self.att), *self.att.args[5:])
+        args = list(self.att.args)
+        args[4] = replace_weight(gm, args[4], p["conv"].to(dt).contiguous(), self.att)
+        if "mix" in p:
+            args[5] = replace_weight(gm, args[5], p["mix"].float().contiguous(), self.att)
+        self.att.args = tuple(args)

@@ -13,7 +13,7 @@ from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.attention import ContiguousKVCache
 from llmaccel.ops.sla import LinearAttentionCache, linear_attention, sla_forward, state_bytes
-from llmaccel.sampling import SamplingParams
+from helpers import assert_greedy_matches_logits
 
 FAST = {"sla": {"calib_samples": "2", "calib_seq_len": "32"}}
 HEAL = {"steps": 3, "seq_len": 16, "batch": 1, "eval_windows": 2}
@@ -181,12 +181,7 @@ def test_sla_heal_trains_conv_and_generates(src, tmp_path):
     assert not torch.equal(w0, w1)  # heal trained the conv
     assert m.report["passes"][1]["stats"]["steps"] == 3
     # greedy generation through the recurrent cache = argmax of the whole-sequence forward
-    prompt = [1, 5, 9, 2]
-    out = list(m.generate_ids(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
-    seq = list(prompt)
-    for _ in range(10):
-        seq.append(int(m.logits(torch.tensor([seq]))[0, -1].argmax()))
-    assert out == seq[len(prompt):]
+    assert_greedy_matches_logits(m, [1, 5, 9, 2], 10)
     # artifact round trip: same graph, same logits
     m.save(tmp_path / "a", m.report)
     back = load(str(tmp_path / "a"))

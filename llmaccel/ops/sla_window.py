@@ -1,0 +1,166 @@
+"""sla with a window: exact softmax attention over the last `window` tokens (and the first `sinks`
+tokens), SLAB's linear attention over the tokens in between, one normalizer for both (LoLCATs'
+sliding-window hybrid). For query t at position p, with scores s_ps = scale q_p . k_s:
+
+    exact(p) = {s <= p : p - s < window or s < sinks},   mid(p) = {s <= p} - exact(p)
+    num = sum_{exact} exp(s_ps - m_p) v_s + exp(mix_h - m_p) phi(q_p) . sum_{mid} phi(k_s)^T v_s
+    den = sum_{exact} exp(s_ps - m_p)     + exp(mix_h - m_p) phi(q_p) . sum_{mid} phi(k_s)
+    out = num / den (+ the depthwise conv on the values, as without a window)
+
+phi = ReLU, m_p the largest exact score (the exact set always holds the token itself), mix_h a
+learned log-scale per query head that puts the linear part's mass on the softmax's scale. A
+window as long as the sequence is softmax attention. The recurrent state holds S = sum
+phi(k)^T v and z = sum phi(k) over the tokens that left the window, the kept keys and values
+(the sinks and the last window - 1 tokens) with their positions, and the count of tokens seen:
+its size is constant in the length. One chunk of T tokens costs O(T (T + window + sinks)); the
+whole-sequence form is that chunk from the empty state.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def window_state_bytes(n_kv_heads: int, head_dim: int, window: int, sinks: int,
+                       dtype_bytes: int = 2) -> int:
+    """The kept keys and values of one layer for one sequence (beside S, z and the conv tail)."""
+    return (sinks + max(window - 1, 0)) * 2 * n_kv_heads * head_dim * dtype_bytes
+
+
+def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
+                   sinks: int, scale: float, eps: float, S, z, kept, with_state: bool = True):
+    """The attention part (no conv) of the windowed op from state (S, z, kept); with_state
+    False (the whole-sequence form) returns the state unchanged, so the traced graph has no
+    shape that depends on the data.
+
+    q (B, T, H*D), k and v (B, T, Hkv*D), mix (H,); S (B, Hkv, D, D) and z (B, Hkv, D) fp32;
+    kept = (keys (B, L, Hkv*D), values (B, L, Hkv*D), positions (L,) int64, seen () int64).
+    Returns (out (B, T, H*D) fp32, S, z, kept) after these T tokens.
+    """
+    B, T, _ = q.shape
+    H, Hkv, D = n_heads, n_kv_heads, head_dim
+    G = H // Hkv
+    kk, vv, kpos, seen = kept
+    pos = seen + torch.arange(T, device=q.device)                      # (T,) absolute positions
+    keys = torch.cat([kk.to(k.dtype), k], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
+    vals = torch.cat([vv.to(v.dtype), v], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
+    apos = torch.cat([kpos, pos])                                      # (L + T,)
+    qh = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)         # (B, Hkv, G, T, D)
+    back = pos[:, None] - apos[None, :]                                 # query minus key position
+    causal = back >= 0
+    exact = causal & ((back < window) | (apos[None, :] < sinks))
+    mid = causal & ~exact
+    sc = (qh @ keys[:, :, None].transpose(-1, -2)) * scale             # (B, Hkv, G, T, L + T)
+    sc = sc.masked_fill(~exact, float("-inf"))
+    m = sc.amax(-1, keepdim=True)
+    e = torch.exp(sc - m)
+    fq, fk = torch.relu(qh), torch.relu(keys)
+    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
+    f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)                  # (B, Hkv, G, T, 1)
+    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
+    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
+    out = (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+    if not with_state:
+        return out, S, z, kept
+    # tokens that no later query sees exactly move into the state; the rest stay kept
+    end = seen + T
+    fold = (apos >= sinks) & (apos <= end - window)
+    keep = ~fold
+    fk_f, v_f = fk[:, :, fold], vals[:, :, fold]
+    S = S + fk_f.transpose(-1, -2) @ v_f
+    z = z + fk_f.sum(-2)
+    allk, allv = torch.cat([kk, k.to(kk.dtype)], 1), torch.cat([vv, v.to(vv.dtype)], 1)
+    kept = (allk[:, keep], allv[:, keep], apos[keep], end)
+    return out, S, z, kept
+
+
+def window_whole(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
+                 sinks: int, scale: float, eps: float) -> torch.Tensor:
+    """The attention part of the whole-sequence form (empty state, no state out) in chunks of
+    `window` tokens: memory O(T (2 window + sinks)), not O(T^2), and no loop over chunks (the
+    heal traces it). For a query at offset a of chunk i: its own chunk's keys up to a and the
+    previous chunk's keys after offset a are the window (exact); the previous chunk's keys up to
+    offset a and every chunk before it are linear (their phi(k)^T v summed over chunks, like
+    _la_chunks' state); the sinks are exact keys of their own, counted once where the window
+    does not already hold them. Equal to window_forward from the empty state (tested)."""
+    B, T, _ = q.shape
+    Hkv, D, c = n_kv_heads, head_dim, window
+    G = n_heads // Hkv
+    N = -(-T // c)
+    pad = N * c - T
+    qh = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)                  # (B, Hkv, G, T, D)
+    kh = k.float().view(B, T, Hkv, D).transpose(1, 2)
+    vh = v.float().view(B, T, Hkv, D).transpose(1, 2)
+    sk, sv = kh[:, :, :sinks], vh[:, :, :sinks]                                   # (B, Hkv, ns, D)
+    if pad:
+        qh = torch.nn.functional.pad(qh, (0, 0, 0, pad))
+        kh = torch.nn.functional.pad(kh, (0, 0, 0, pad))
+        vh = torch.nn.functional.pad(vh, (0, 0, 0, pad))
+    dev = q.device
+    pos = torch.arange(N * c, device=dev).view(N, c)
+    qc = qh.reshape(B, Hkv, G, N, c, D)
+    kc, vc = kh.reshape(B, Hkv, N, c, D)[:, :, None], vh.reshape(B, Hkv, N, c, D)[:, :, None]
+    kp = torch.nn.functional.pad(kc, (0, 0, 0, 0, 1, 0))[:, :, :, :N]             # previous chunk
+    vp = torch.nn.functional.pad(vc, (0, 0, 0, 0, 1, 0))[:, :, :, :N]
+    ar = torch.arange(c, device=dev)
+    has_prev = (torch.arange(N, device=dev) > 0)[:, None, None]                    # (N, 1, 1)
+    cur_exact = (ar[None, :] <= ar[:, None])[None]                                # (1, c, c)
+    prev_exact = has_prev & (ar[None, :] > ar[:, None])[None]
+    prev_pos = pos - c                                                            # key positions
+    prev_mid = has_prev & ~prev_exact & (prev_pos[:, None, :] >= sinks)
+    s_cur = (qc @ kc.transpose(-1, -2)) * scale
+    s_prev = (qc @ kp.transpose(-1, -2)) * scale
+    parts = [s_cur.masked_fill(~cur_exact, float("-inf")), s_prev.masked_fill(~prev_exact, float("-inf"))]
+    if sinks:   # a sink outside the window: causal, and window tokens or more behind the query
+        back = pos[:, :, None] - torch.arange(sinks, device=dev)[None, None]       # (N, c, ns)
+        s_snk = (qc @ sk[:, :, None, None].transpose(-1, -2)) * scale
+        parts.append(s_snk.masked_fill(~(back >= c), float("-inf")))
+    m = torch.cat([x.amax(-1, keepdim=True) for x in parts], -1).amax(-1, keepdim=True)
+    e = [torch.exp(x - m) for x in parts]
+    num = e[0] @ vc + e[1] @ vp + (e[2] @ sv[:, :, None, None] if sinks else 0)
+    den = sum(x.sum(-1, keepdim=True) for x in e)
+    # linear part: phi(k) of the sinks is left out (they are exact); chunks i-2 and before by state
+    fq = torch.relu(qc)
+    lin_ok = (pos >= sinks)[None, None, None, :, :, None]
+    fk = torch.relu(kc) * lin_ok
+    fkp = torch.nn.functional.pad(fk, (0, 0, 0, 0, 1, 0))[:, :, :, :N]
+    a = (fq @ fkp.transpose(-1, -2)).masked_fill(~prev_mid, 0.0)
+    dS = fk.transpose(-1, -2) @ vc                                                # (B, Hkv, 1, N, D, D)
+    dz = fk.sum(-2)                                                               # (B, Hkv, 1, N, D)
+    S2 = torch.nn.functional.pad(dS.cumsum(3), (0, 0, 0, 0, 2, 0))[:, :, :, :N]    # chunks <= i - 2
+    z2 = torch.nn.functional.pad(dz.cumsum(3), (0, 0, 2, 0))[:, :, :, :N]
+    f = torch.exp(mix.float().view(Hkv, G, 1, 1, 1) - m)
+    num = num + f * (a @ vp + fq @ S2)
+    den = den + f * (a.sum(-1, keepdim=True) + fq @ z2[..., None])
+    out = (num / (den + eps)).reshape(B, Hkv, G, N * c, D)[..., :T, :]
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, n_heads * D)
+
+
+def empty_kept(B: int, C: int, device, dtype):
+    """The kept keys and values of a sequence that has seen no token."""
+    none = torch.zeros(B, 0, C, device=device, dtype=dtype)
+    return (none, none.clone(),
+            torch.zeros(0, dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device))
+
+
+@torch.no_grad()
+def mix_init(q, k, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int, sinks: int,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head, the softmax's mass on the mid tokens and the linear part's, both relative
+    to the exact part's largest score, summed over these tokens (q (B, T, H*D), k (B, T, Hkv*D)):
+    the log of their ratio, summed over calibration windows, is mix's starting value."""
+    B, T, _ = q.shape
+    Hkv, D = n_kv_heads, head_dim
+    G = n_heads // Hkv
+    qh = q.double().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+    kh = k.double().view(B, T, Hkv, D).transpose(1, 2)[:, :, None]
+    pos = torch.arange(T, device=q.device)
+    back = pos[:, None] - pos[None, :]
+    causal = back >= 0
+    exact = causal & ((back < window) | (pos[None, :] < sinks))
+    mid = causal & ~exact
+    sc = (qh @ kh.transpose(-1, -2)) * scale
+    m = sc.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
+    soft = torch.exp(sc - m).masked_fill(~mid, 0.0).sum((-1, -2, 0))            # (Hkv, G)
+    lin = ((torch.relu(qh) @ torch.relu(kh).transpose(-1, -2)) * torch.exp(-m))
+    lin = lin.masked_fill(~mid, 0.0).sum((-1, -2, 0))
+    return soft.reshape(-1), lin.reshape(-1)
