@@ -1,9 +1,11 @@
-"""Test helpers: hand canonical weights to transformers to compare against it directly."""
+"""Test helpers: hand canonical weights to transformers to compare against it directly; check a
+model's greedy decode against its whole-sequence forward."""
 import torch
 import transformers
 
 from llmaccel.compiler.hf import config_to_hf, weights_to_hf
 from llmaccel.compiler.sources import resolve
+from llmaccel.sampling import SamplingParams
 
 
 def hf_model(cfg, weights):
@@ -22,9 +24,6 @@ def hf_for_source(src):
 def assert_greedy_matches_logits(m, prompt: list[int], n: int) -> None:
     """Greedy generation through the model's decode context = the argmax of whole-sequence
     forwards, token by token (a recurrent state or a cache that drifts shows here)."""
-    import torch
-
-    from llmaccel.sampling import SamplingParams
     out = list(m.generate_ids(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
     seq = list(prompt)
     for _ in range(n):

@@ -100,7 +100,8 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
     q (B, T, H*D), k and v (B, T, Hkv*D), conv_weight (H*D or Hkv*D, kernel_size).
     state = (S (B, Hkv, D, D) fp32, z (B, Hkv, D) fp32, tail (B, K-1, Hkv*D) last values), and
     with a window the kept keys, values, their positions and the count of tokens seen.
-    with_state False: the state is not advanced (the whole-sequence form discards it).
+    with_state False: the caller discards the returned state (the whole-sequence form), so a
+    window need not compute it.
     """
     B, T, _ = q.shape
     H, Hkv, D, K = n_heads, n_kv_heads, head_dim, kernel_size
@@ -119,14 +120,13 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
             state = (*state, *empty_kept(B, Hkv * D, q.device, v.dtype))
     S, z, tail = state[:3]
     kept = ()
-    if window and not with_state and whole:
-        o = window_whole(q, k, v, mix, n_heads=H, n_kv_heads=Hkv, head_dim=D, window=window,
-                         sinks=sinks, scale=D ** -0.5 if scale is None else scale, eps=eps)
-    elif window:
-        o, S, z, kept = window_forward(q, k, v, mix, n_heads=H, n_kv_heads=Hkv, head_dim=D,
-                                       window=window, sinks=sinks,
-                                       scale=D ** -0.5 if scale is None else scale, eps=eps,
-                                       S=S, z=z, kept=tuple(state[3:]), with_state=with_state)
+    if window:
+        wkw = dict(n_heads=H, n_kv_heads=Hkv, head_dim=D, window=window, sinks=sinks,
+                   scale=D ** -0.5 if scale is None else scale, eps=eps)
+        if whole and not with_state:   # chunked, and no state shaped by the data: heal traces it
+            o = window_whole(q, k, v, mix, **wkw)
+        else:
+            o, S, z, kept = window_forward(q, k, v, mix, S=S, z=z, kept=tuple(state[3:]), **wkw)
     else:
         qh = torch.relu(q.float()).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
         kh = torch.relu(k.float()).view(B, T, Hkv, D).transpose(1, 2)

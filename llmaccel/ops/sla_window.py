@@ -12,8 +12,8 @@ learned log-scale per query head that puts the linear part's mass on the softmax
 window as long as the sequence is softmax attention. The recurrent state holds S = sum
 phi(k)^T v and z = sum phi(k) over the tokens that left the window, the kept keys and values
 (the sinks and the last window - 1 tokens) with their positions, and the count of tokens seen:
-its size is constant in the length. One chunk of T tokens costs O(T (T + window + sinks)); the
-whole-sequence form is that chunk from the empty state.
+its size is constant in the length. A step of T tokens from a state costs O(T (T + window +
+sinks)) (window_forward); the whole-sequence form runs in window-sized chunks (window_whole).
 """
 from __future__ import annotations
 
@@ -26,11 +26,18 @@ def window_state_bytes(n_kv_heads: int, head_dim: int, window: int, sinks: int,
     return (sinks + max(window - 1, 0)) * 2 * n_kv_heads * head_dim * dtype_bytes
 
 
+def split_keys(qpos: torch.Tensor, kpos: torch.Tensor, window: int, sinks: int):
+    """(exact, mid) masks (Tq, Tk) of the keys at positions kpos for queries at positions qpos."""
+    back = qpos[:, None] - kpos[None, :]
+    causal = back >= 0
+    exact = causal & ((back < window) | (kpos[None, :] < sinks))
+    return exact, causal & ~exact
+
+
 def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
-                   sinks: int, scale: float, eps: float, S, z, kept, with_state: bool = True):
-    """The attention part (no conv) of the windowed op from state (S, z, kept); with_state
-    False (the whole-sequence form) returns the state unchanged, so the traced graph has no
-    shape that depends on the data.
+                   sinks: int, scale: float, eps: float, S, z, kept):
+    """The attention part (no conv) of the windowed op from state (S, z, kept), and the state
+    after these tokens.
 
     q (B, T, H*D), k and v (B, T, Hkv*D), mix (H,); S (B, Hkv, D, D) and z (B, Hkv, D) fp32;
     kept = (keys (B, L, Hkv*D), values (B, L, Hkv*D), positions (L,) int64, seen () int64).
@@ -45,10 +52,7 @@ def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int
     vals = torch.cat([vv.to(v.dtype), v], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
     apos = torch.cat([kpos, pos])                                      # (L + T,)
     qh = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)         # (B, Hkv, G, T, D)
-    back = pos[:, None] - apos[None, :]                                 # query minus key position
-    causal = back >= 0
-    exact = causal & ((back < window) | (apos[None, :] < sinks))
-    mid = causal & ~exact
+    exact, mid = split_keys(pos, apos, window, sinks)
     sc = (qh @ keys[:, :, None].transpose(-1, -2)) * scale             # (B, Hkv, G, T, L + T)
     sc = sc.masked_fill(~exact, float("-inf"))
     m = sc.amax(-1, keepdim=True)
@@ -59,8 +63,6 @@ def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int
     num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
     den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
     out = (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-    if not with_state:
-        return out, S, z, kept
     # tokens that no later query sees exactly move into the state; the rest stay kept
     end = seen + T
     fold = (apos >= sinks) & (apos <= end - window)
@@ -154,10 +156,7 @@ def mix_init(q, k, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
     qh = q.double().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
     kh = k.double().view(B, T, Hkv, D).transpose(1, 2)[:, :, None]
     pos = torch.arange(T, device=q.device)
-    back = pos[:, None] - pos[None, :]
-    causal = back >= 0
-    exact = causal & ((back < window) | (pos[None, :] < sinks))
-    mid = causal & ~exact
+    exact, mid = split_keys(pos, pos, window, sinks)
     sc = (qh @ kh.transpose(-1, -2)) * scale
     m = sc.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
     soft = torch.exp(sc - m).masked_fill(~mid, 0.0).sum((-1, -2, 0))            # (Hkv, G)

@@ -209,14 +209,14 @@ class SLA(Pass):
         stats: dict = {"init": c.init}
         fits = [None] * len(nodes)
         win = None
-        if c.window:
+        if c.window or c.init == "fit":
             ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(p0.device)
+        if c.window:
             win = [{"window": c.window, "sinks": c.sinks, "scale": _scale(n), "mix": m.to(p0.device)}
                    for n, m in zip(nodes, fit_mix(gm, nodes, ids, c.window, c.sinks))]
             stats.update({"window": c.window, "sinks": c.sinks,
                           "mix_mean": round(sum(w["mix"].mean().item() for w in win) / len(win), 3)})
         if c.init == "fit":
-            ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(p0.device)
             acc = fit_conv(gm, nodes, ids, c.kernel_size, c.eps, c.ridge, ctx.progress, win)
             lin, err, gains = [], [], 0
             for i, (n, a) in enumerate(zip(nodes, acc)):
