@@ -285,7 +285,7 @@ class Heal(Pass):
             with master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log,
-                                  regional=c.regional)
+                                  regional=c.resolve_regional(gm))
                 losses, timing = self._train(trainer, pool, batch, hooks, gm, ctx, domains)
         except torch.cuda.OutOfMemoryError as e:
             beside = (f" or heal.refresh=0 (the engine sampling beside training holds a KV cache "

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch.fx
+
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.sla import linear_attention
 from llmaccel.passes.base import PassContext
 
 # heal.refresh's auto count: more windows than a 10-minute heal receives. In a process of its own
@@ -103,12 +106,19 @@ class HealConfig:
     # Compile each decoder layer once and reuse it for the alike layers (heal_regions.py: nested
     # compile regions) instead of the whole graph. 2-core CPU, SmolLM2-135M shapes, Inductor:
     # first step 80 -> 39 s but later steps ~10% slower; sla 190 -> 62 s, later steps no slower.
-    # Off by default: on an H200 (gqa) the first step was no faster (65 s) and later steps ~27%
-    # slower (91,200 tok/s against 124,200+; docs/quality.md).
-    regional: bool = False
+    # auto: on for graphs with linear attention (sla), whose whole graph compiles slowest: on an
+    # H100, sla with a window 185 -> 110 s, steps as fast (91,300 against 91,800 tok/s), so a
+    # 6.5-minute heal trained 25.6 M tokens against 18.8 M; off otherwise: on an H200 (gqa) the
+    # first step was no faster (65 s) and later steps ~27% slower (91,200 tok/s against 124,200+;
+    # docs/quality.md). true / false force it.
+    regional: Literal["auto", "true", "false"] = "auto"
     kl_chunk: int = 4096     # rows of (rows, vocab) logits alive at once in the loss (0 = all)
 
     def __post_init__(self):
+        if isinstance(self.regional, bool):  # HealConfig(regional=True) from Python
+            self.regional = "true" if self.regional else "false"
+        if self.regional not in ("auto", "true", "false"):
+            raise LlmaccelError(f"heal.regional must be auto, true or false, got {self.regional!r}")
         for k in ("steps", "eval_windows"):
             if getattr(self, k) < 1:
                 raise LlmaccelError(f"heal.{k} must be positive, got {getattr(self, k)}")
@@ -129,6 +139,12 @@ class HealConfig:
         for k in ("domain_tokens", "domain_evals"):
             if getattr(self, k) < -1:
                 raise LlmaccelError(f"heal.{k} must be -1 (auto) or more, got {getattr(self, k)}")
+
+    def resolve_regional(self, gm: torch.fx.GraphModule) -> bool:
+        """heal.regional with auto resolved for the graph to heal (on where it has linear attention)."""
+        if self.regional != "auto":
+            return self.regional == "true"
+        return any(n.op == "call_function" and n.target is linear_attention for n in gm.graph.nodes)
 
     def domain_plan(self, device: str) -> tuple[int, int]:
         """(tokens per domain, measuring points during the heal), auto resolved for `device`."""

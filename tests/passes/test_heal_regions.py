@@ -147,3 +147,16 @@ def test_without_nested_regions_the_whole_graph_compiles(monkeypatch):
     tr = Trainer(m.gm, t.gm, params, lr=1e-3, hidden=0.0, dtype=None, backend="aot_eager",
                  kl_chunk=0, regional=True)
     assert not tr.regional
+
+
+@pytest.mark.parametrize("value,want_plain,want_sla", [
+    ("auto", False, True), ("true", True, True), ("false", False, False), (True, True, True)])
+def test_regional_auto_is_on_for_linear_attention_only(value, want_plain, want_sla):
+    """auto: by layer where the graph has linear attention (its whole graph compiles slowest),
+    the whole graph otherwise; true / false (or a bool from Python) force it."""
+    from llmaccel.passes.heal_config import HealConfig
+    plain = load("preset:tiny-llama").gm
+    sla = compile("preset:tiny-llama", ["sla"], {"sla": {"calib_samples": "2", "calib_seq_len": "32"}},
+                  eval_tokens=0, progress=False).gm
+    c = HealConfig(regional=value)
+    assert (c.resolve_regional(plain), c.resolve_regional(sla)) == (want_plain, want_sla)
