@@ -16,6 +16,7 @@ import torch
 from llmaccel.runtime.kivi_cache import build_kivi_step
 from llmaccel.runtime.kv_cache import build_step
 from llmaccel.runtime.sequence import Sequence
+from llmaccel.runtime.sla_states import build_sla_step
 from llmaccel.runtime.speculative import verify
 from llmaccel.sampling import logprob_pairs, logprobs_wanted, sample_mode, sample_rows, token_logprobs
 
@@ -102,7 +103,7 @@ class EagerSteps:
             want.append(nl)
         logits = self.steps.run(items, want) if self.steps is not None else None
         if logits is None:
-            step_inputs = build_kivi_step if self.kivi else build_step
+            step_inputs = build_kivi_step if self.kivi else build_sla_step if self.sla else build_step
             ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
             logits = self.gm(ids, pos, ctx)[0]
             if self.kivi:

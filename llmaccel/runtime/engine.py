@@ -23,6 +23,7 @@ from llmaccel.runtime.kivi_cache import KiviPagedCache, kivi_metrics, kivi_spec,
 from llmaccel.runtime.kv_cache import PagedKVCache
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
+from llmaccel.runtime.sla_states import SlaStates
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source
 from llmaccel.runtime.step_graphs import StepGraphs
 from llmaccel.runtime.warmup import warm_up
@@ -44,7 +45,8 @@ class LLM(DecodeSteps, EagerSteps):
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  compile: bool | None = None):
         """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py),
-        except over a KIVI cache. cuda_graphs: replay them as CUDA graphs (CUDA only);
+        except over a KIVI cache or linear-attention states (sla: every step eager, sla_states.py).
+        cuda_graphs: replay them as CUDA graphs (CUDA only);
         compile: Inductor on the decode sub-step first (None: on CUDA)."""
         counts = dict(block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
@@ -72,9 +74,11 @@ class LLM(DecodeSteps, EagerSteps):
         if not layers:
             raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
-        if any(n.op == "call_function" and n.target is linear_attention for n in self.model.gm.graph.nodes):
-            raise LlmaccelError("the paged runtime has no recurrent-state cache for linear attention (sla); "
-                                "run this graph with the reference executor (Model.generate_ids / llmc eval)")
+        # linear attention (sla): a recurrent state per sequence in a slot of its own (sla_states.py)
+        self.sla = any(n.op == "call_function" and n.target is linear_attention for n in self.model.gm.graph.nodes)
+        if self.sla and speculative is not None:
+            raise LlmaccelError("speculative decoding does not run on linear attention (sla) yet: its "
+                                "recurrent state cannot roll back rejected tokens; drop speculative=")
         self.k_max = max(1, num_speculative_tokens)
         draft_model, draft_layers_map, self.self_kind = draft_source(
             self.model, speculative, draft_layers, dtype=self.dtype, device=self.device)
@@ -89,7 +93,10 @@ class LLM(DecodeSteps, EagerSteps):
         if self.sampler_fallback:
             warnings.warn(f"sampling runs in sorted torch ops: the sampling kernel failed its "
                           f"check ({self.sampler_fallback})")
-        if self.kivi is not None:
+        if self.sla:  # one slot per sequence, one block of the longest sequence per slot
+            self.cache = SlaStates(max_num_seqs)
+            self.bm = BlockManager(max_num_seqs, self.cfg.max_position, prefix_caching=False)
+        elif self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
                                                    max_num_batched_tokens, gpu_memory_utilization)
         else:
@@ -102,7 +109,7 @@ class LLM(DecodeSteps, EagerSteps):
         self.runner = DecodeRunner(
             self.model.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
             max_len=self.cfg.max_position, capture=on_cuda and cuda_graphs,
-            compile=compile) if self.kivi is None else None
+            compile=compile) if self.kivi is None and not self.sla else None
         # a lone request's prefill step replayed as a CUDA graph (step_graphs.py): its time to the
         # first token is otherwise the eager step's host time
         self.steps = StepGraphs(self.gm, self.cache, scratch=self.cache.num_blocks - 1, capture=True,

@@ -189,10 +189,3 @@ def test_sla_heal_trains_conv_and_generates(src, tmp_path):
     ids = torch.randint(0, 512, (2, 19))
     torch.testing.assert_close(back.logits(ids), m.logits(ids), rtol=0, atol=0)
 
-
-def test_paged_runtime_refuses_sla():
-    from llmaccel.runtime.engine import LLM
-
-    m = compile("preset:tiny-llama", ["sla"], {"sla": {"init": "zeros"}}, progress=False, eval_tokens=0)
-    with pytest.raises(LlmaccelError, match="linear attention"):
-        LLM(m, kv_cache_tokens=64)
