@@ -26,7 +26,8 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla_window import empty_kept, window_forward, window_state_bytes, window_whole
+from llmaccel.ops.sla_window import (empty_kept, window_decode, window_forward, window_state_bytes,
+                                     window_whole)
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
 
@@ -101,7 +102,8 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
     state = (S (B, Hkv, D, D) fp32, z (B, Hkv, D) fp32, tail (B, K-1, Hkv*D) last values), and
     with a window the kept keys, values, their positions and the count of tokens seen.
     with_state False: the caller discards the returned state (the whole-sequence form), so a
-    window need not compute it.
+    window need not compute it. With a window, a state of B sequences stacked (positions (B, L),
+    seen (B,)) steps one token of each at once (ops/sla_window.window_decode).
     """
     B, T, _ = q.shape
     H, Hkv, D, K = n_heads, n_kv_heads, head_dim, kernel_size
@@ -126,7 +128,9 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
         if whole and not with_state:   # chunked, and no state shaped by the data: heal traces it
             o = window_whole(q, k, v, mix, **wkw)
         else:
-            o, S, z, kept = window_forward(q, k, v, mix, S=S, z=z, kept=tuple(state[3:]), **wkw)
+            # positions (B, L): B sequences' states stacked, one token each (window_decode)
+            step = window_decode if state[5].dim() == 2 else window_forward
+            o, S, z, kept = step(q, k, v, mix, S=S, z=z, kept=tuple(state[3:]), **wkw)
     else:
         qh = torch.relu(q.float()).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
         kh = torch.relu(k.float()).view(B, T, Hkv, D).transpose(1, 2)

@@ -75,6 +75,48 @@ def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int
     return out, S, z, kept
 
 
+def window_decode(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
+                  sinks: int, scale: float, eps: float, S, z, kept):
+    """window_forward for one new token of each of B sequences at once, each at its own position:
+    kept = (keys (B, L, Hkv*D), values (B, L, Hkv*D), positions (B, L), seen (B,)), the B
+    sequences' states stacked (one L for all: min(seen, sinks + window - 1), so rows of one L fold
+    as many tokens into S and z, none or one). q (B, 1, H*D), k and v (B, 1, Hkv*D). Returns
+    (out (B, 1, H*D) fp32, S, z, kept) in the same stacked form. Equal to window_forward row by
+    row (tested)."""
+    B = q.shape[0]
+    H, Hkv, D = n_heads, n_kv_heads, head_dim
+    G = H // Hkv
+    kk, vv, kpos, seen = kept
+    apos = torch.cat([kpos, seen[:, None]], 1)                         # (B, L + 1)
+    exact = (seen[:, None] - apos < window) | (apos < sinks)           # the token itself is exact
+    end = seen + 1
+    fold = (apos >= sinks) & (apos <= end[:, None] - window)
+    keys = torch.cat([kk.to(k.dtype), k], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
+    vals = torch.cat([vv.to(v.dtype), v], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
+    qh = q.float().view(B, 1, Hkv, G, D).permute(0, 2, 3, 1, 4)         # (B, Hkv, G, 1, D)
+    ex = exact[:, None, None, None, :]
+    sc = ((qh @ keys[:, :, None].transpose(-1, -2)) * scale).masked_fill(~ex, float("-inf"))
+    m = sc.amax(-1, keepdim=True)
+    e = torch.exp(sc - m)
+    fq, fk = torch.relu(qh), torch.relu(keys)
+    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(ex, 0.0)  # every earlier token is causal
+    f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)
+    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
+    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
+    out = (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, 1, H * D)
+    # as window_forward: the tokens no later query sees exactly move into S and z
+    fidx = fold.nonzero()[:, 1].view(B, -1)                            # row-major: per row, in order
+    kidx = (~fold).nonzero()[:, 1].view(B, -1)
+    fk_f = fk.gather(2, fidx[:, None, :, None].expand(B, Hkv, -1, D))
+    v_f = vals.gather(2, fidx[:, None, :, None].expand(B, Hkv, -1, D))
+    S = S + fk_f.transpose(-1, -2) @ v_f
+    z = z + fk_f.sum(-2)
+    allk, allv = torch.cat([kk, k.to(kk.dtype)], 1), torch.cat([vv, v.to(vv.dtype)], 1)
+    C = allk.shape[-1]
+    take = kidx[..., None].expand(B, -1, C)
+    return out, S, z, (allk.gather(1, take), allv.gather(1, take), apos.gather(1, kidx), end)
+
+
 def window_whole(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
                  sinks: int, scale: float, eps: float) -> torch.Tensor:
     """The attention part of the whole-sequence form (empty state, no state out) in chunks of

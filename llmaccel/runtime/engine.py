@@ -75,7 +75,8 @@ class LLM(DecodeSteps, EagerSteps):
             raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
         # linear attention (sla): a recurrent state per sequence in a slot of its own (sla_states.py)
-        self.sla = any(n.op == "call_function" and n.target is linear_attention for n in self.model.gm.graph.nodes)
+        self.sla = any(n.op == "call_function" and n.target is linear_attention
+                       for n in self.model.gm.graph.nodes)
         if self.sla and speculative is not None:
             raise LlmaccelError("speculative decoding does not run on linear attention (sla) yet: its "
                                 "recurrent state cannot roll back rejected tokens; drop speculative=")

@@ -5,8 +5,9 @@ values and, with a window, the kept keys and values). The engine gives each runn
 slot: its block manager has one block per slot, `max_position` tokens long, and no prefix
 caching (a state sums its whole prefix, so no block of it can be shared), so the scheduler's
 admission, preemption and freeing work unchanged and block_table[0] is the slot. A step runs the
-op sequence by sequence from its slot's state (the window form's kept positions are per
-sequence), eagerly: no CUDA graph captures a step of these graphs yet.
+op from each slot's state: the decode rows in one call (their states stacked; with a window,
+the rows that keep as many tokens, each at its own positions), prefill chunks one by one;
+eagerly: no CUDA graph captures a step of these graphs yet.
 
 A slot keeps the state each layer started the step from beside the one after it, so a step
 that runs again (it failed before its tokens counted) starts from the right one; a sequence at
@@ -60,13 +61,39 @@ class SlaContext:
         self.states, self.spans, self.logits_indices = states, spans, logits_indices
 
     def linear_attend(self, layer, q, k, v, conv_weight, **kw):
-        outs = []
-        for slot, start, a, b in self.spans:
-            st = self.states.get(slot, layer, start)
-            out, new = sla_forward(q[:, a:b], k[:, a:b], v[:, a:b], conv_weight, state=st, **kw)
-            self.states.put(slot, layer, start, start + b - a, new)
-            outs.append(out)
+        states = [self.states.get(slot, layer, start) for slot, start, _, _ in self.spans]
+        outs: list[torch.Tensor | None] = [None] * len(self.spans)
+        # one token each from a state (decode rows) with as many kept tokens: one call for all
+        groups: dict[int, list[int]] = {}
+        for i, ((_, _, a, b), st) in enumerate(zip(self.spans, states)):
+            if b - a == 1 and st is not None:
+                groups.setdefault(st[3].shape[1] if len(st) > 3 else 0, []).append(i)
+        for rows in groups.values():
+            if len(rows) > 1:
+                self._step_together(layer, rows, states, q, k, v, conv_weight, kw, outs)
+        for i, ((slot, start, a, b), st) in enumerate(zip(self.spans, states)):
+            if outs[i] is None:
+                outs[i], new = sla_forward(q[:, a:b], k[:, a:b], v[:, a:b], conv_weight, state=st, **kw)
+                self.states.put(slot, layer, start, start + b - a, new)
         return torch.cat(outs, 1)
+
+    def _step_together(self, layer, rows, states, q, k, v, conv_weight, kw, outs) -> None:
+        """The rows' states stacked, one sla_forward for their tokens, the states split again
+        (views of the stacked tensors)."""
+        idx = torch.tensor([self.spans[i][2] for i in rows], device=q.device)
+        qs, ks, vs = (x[0].index_select(0, idx)[:, None] for x in (q, k, v))
+        st = [states[i] for i in rows]
+        stacked = tuple(torch.cat([s[j] for s in st]) for j in range(5 if len(st[0]) > 3 else 3))
+        if len(st[0]) > 3:  # the window's kept positions and count of tokens seen, per sequence
+            stacked += (torch.stack([s[5] for s in st]), torch.stack([s[6] for s in st]))
+        out, new = sla_forward(qs, ks, vs, conv_weight, state=stacked, **kw)
+        for r, i in enumerate(rows):
+            slot, start, _, _ = self.spans[i]
+            row = tuple(t[r:r + 1] for t in new[:5]) if len(new) > 3 else tuple(t[r:r + 1] for t in new)
+            if len(new) > 3:
+                row += (new[5][r], new[6][r])
+            self.states.put(slot, layer, start, start + 1, row)
+            outs[i] = out[r:r + 1]
 
     def attend(self, layer, *args, **kw):
         raise LlmaccelError(f"layer {layer} is softmax attention in a graph with linear attention; "

@@ -93,6 +93,33 @@ def test_cache_decode_chunks_and_rollback_match_whole_sequence():
     torch.testing.assert_close(out, whole[:, 17:50], rtol=1e-5, atol=1e-5)
 
 
+# window 6, sinks 2: 7 kept tokens from 7 seen on; (7, 8): one row's first fold beside a later one
+@pytest.mark.parametrize("lengths", [(30, 45, 60), (4, 4), (7, 8)], ids=["steady", "filling", "first-fold"])
+def test_decode_rows_stacked_match_each_row_alone(lengths):
+    """One token of several sequences, each at its own position, from their stacked states
+    (window_decode through sla_forward) = each sequence's step alone (window_forward)."""
+    from llmaccel.ops.sla import sla_forward
+    q, k, v, w, mix, kw = _inputs(len(lengths), 61, 4, 2, 8, 3, 6, 2)
+    kw = {key: val for key, val in kw.items() if key != "layer"}
+    states, alone = [], []
+    for b, n in enumerate(lengths):
+        _, st = sla_forward(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], w, mix=mix, **kw)
+        states.append(st)
+        alone.append(sla_forward(q[b:b + 1, n:n + 1], k[b:b + 1, n:n + 1], v[b:b + 1, n:n + 1], w,
+                                 mix=mix, state=st, **kw))
+    stacked = tuple(torch.cat([s[j] for s in states]) for j in range(5)) + (
+        torch.stack([s[5] for s in states]), torch.stack([s[6] for s in states]))
+    rows = torch.tensor(lengths)
+    pick = (lambda x: x[torch.arange(len(lengths)), rows][:, None])
+    assert len({s[3].shape[1] for s in states}) == 1   # as many kept tokens: the engine stacks them
+    out, new = sla_forward(pick(q), pick(k), pick(v), w, mix=mix, state=stacked, **kw)
+    for b, (o, st) in enumerate(alone):
+        torch.testing.assert_close(out[b:b + 1], o, rtol=1e-5, atol=1e-5)
+        for j in range(5):
+            torch.testing.assert_close(new[j][b:b + 1], st[j], rtol=1e-5, atol=1e-5)
+        assert torch.equal(new[5][b], st[5]) and int(new[6][b]) == int(st[6])
+
+
 def test_window_needs_its_mix_weight():
     q, k, v, w, mix, kw = _inputs(1, 8, 2, 1, 4, 2, 4, 0)
     with pytest.raises(LlmaccelError, match="mix weight"):

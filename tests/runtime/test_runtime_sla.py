@@ -1,14 +1,15 @@
 """LLM on graphs compiled with sla (linear attention, without and with a window and sinks): a
 recurrent state per sequence in a slot of its own (runtime/sla_states.py) against the reference
 executor's LinearAttentionCache: greedy tokens identical under continuous batching and chunked
-prefill; a step run again starts from the state it started from."""
+prefill, the decode rows' states stepped together; a step run again starts from the state it
+started from."""
 import pytest
 import torch
 
 from llmaccel import LLM, SamplingParams
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sla_states import SlaStates
+from llmaccel.runtime.sla_states import SlaContext, SlaStates
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 LENGTHS = (5, 40, 70, 1, 33)  # with a window of 8 and 2 sinks: tokens fold into the state often
@@ -27,11 +28,19 @@ def case(request):
     {},
     {"max_num_batched_tokens": 24, "max_num_seqs": 2},  # prefill in chunks, requests wait for a slot
 ], ids=["batched", "chunked"])
-def test_greedy_matches_reference_executor(case, kw):
+def test_greedy_matches_reference_executor(case, kw, monkeypatch):
     m, prompts, ref = case
+    stacked = []  # decode rows stepped together: how many at once
+    step = SlaContext._step_together
+
+    def counted(self, layer, rows, *a):
+        stacked.append(len(rows))
+        return step(self, layer, rows, *a)
+    monkeypatch.setattr(SlaContext, "_step_together", counted)
     llm = LLM(m, **kw)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ref
+    assert max(stacked) == kw.get("max_num_seqs", len(prompts))
     met = llm.metrics()
     assert met["kv_blocks_used"] == 0 and met["prefix_caching"] is False
     assert met["kv_blocks_total"] == kw.get("max_num_seqs", met["kv_blocks_total"])
