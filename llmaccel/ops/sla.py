@@ -26,8 +26,8 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla_window import (empty_kept, window_decode, window_forward, window_state_bytes,
-                                     window_whole)
+from llmaccel.ops.sla_window import (empty_kept, window_decode, window_forward, window_state,
+                                     window_state_bytes, window_whole)
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
 
@@ -125,8 +125,10 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
     if window:
         wkw = dict(n_heads=H, n_kv_heads=Hkv, head_dim=D, window=window, sinks=sinks,
                    scale=D ** -0.5 if scale is None else scale, eps=eps)
-        if whole and not with_state:   # chunked, and no state shaped by the data: heal traces it
+        if whole:   # chunked; without a state out nothing is shaped by the data: heal traces it
             o = window_whole(q, k, v, mix, **wkw)
+            if with_state:
+                S, z, kept = window_state(k, v, n_kv_heads=Hkv, head_dim=D, window=window, sinks=sinks)
         else:
             # positions (B, L): B sequences' states stacked, one token each (window_decode)
             step = window_decode if state[5].dim() == 2 else window_forward

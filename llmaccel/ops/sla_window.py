@@ -155,7 +155,8 @@ def window_whole(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, 
     s_prev = (qc @ kp.transpose(-1, -2)) * scale
     parts = [s_cur.masked_fill(~cur_exact, float("-inf")), s_prev.masked_fill(~prev_exact, float("-inf"))]
     if sinks:   # a sink outside the window: causal, and window tokens or more behind the query
-        back = pos[:, :, None] - torch.arange(sinks, device=dev)[None, None]       # (N, c, ns)
+        # ns = min(sinks, T): a prompt shorter than the sinks has only its own tokens as sinks
+        back = pos[:, :, None] - torch.arange(sk.shape[2], device=dev)[None, None]  # (N, c, ns)
         s_snk = (qc @ sk[:, :, None, None].transpose(-1, -2)) * scale
         parts.append(s_snk.masked_fill(~(back >= c), float("-inf")))
     m = torch.cat([x.amax(-1, keepdim=True) for x in parts], -1).amax(-1, keepdim=True)
@@ -177,6 +178,22 @@ def window_whole(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, 
     den = den + f * (a.sum(-1, keepdim=True) + fq @ z2[..., None])
     out = (num / (den + eps)).reshape(B, Hkv, G, N * c, D)[..., :T, :]
     return out.permute(0, 3, 1, 2, 4).reshape(B, T, n_heads * D)
+
+
+def window_state(k, v, *, n_kv_heads: int, head_dim: int, window: int, sinks: int):
+    """The state (S, z, kept) after a sequence's first T tokens, k and v (B, T, Hkv*D), as
+    window_forward leaves it from the empty state: the tokens that left the window summed into S
+    and z, the sinks and the last window - 1 tokens kept. With window_whole for the outputs, a
+    prompt costs O(T (2 window + sinks)) instead of window_forward's O(T^2)."""
+    B, T, C = k.shape
+    Hkv, D = n_kv_heads, head_dim
+    pos = torch.arange(T, device=k.device)
+    fold = (pos >= sinks) & (pos <= T - window)
+    fk = torch.relu(k[:, fold].float()).view(B, -1, Hkv, D).transpose(1, 2)
+    vf = v[:, fold].float().view(B, -1, Hkv, D).transpose(1, 2)
+    keep = ~fold
+    kept = (k[:, keep].to(v.dtype), v[:, keep], pos[keep], torch.tensor(T, device=k.device))
+    return fk.transpose(-1, -2) @ vf, fk.sum(-2), kept
 
 
 def empty_kept(B: int, C: int, device, dtype):

@@ -93,6 +93,23 @@ def test_cache_decode_chunks_and_rollback_match_whole_sequence():
     torch.testing.assert_close(out, whole[:, 17:50], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 5, 6, 23])
+def test_a_prompt_from_the_empty_state_matches_the_step_form(T):
+    """sla_forward from no state (window_whole's outputs, window_state's state) = window_forward's
+    outputs and state from the empty state, for prompts shorter than the sinks and the window."""
+    from llmaccel.ops.sla import sla_forward
+    from llmaccel.ops.sla_window import empty_kept
+    q, k, v, w, mix, kw = _inputs(2, T, 4, 2, 8, 3, 6, 2)
+    kw = {key: val for key, val in kw.items() if key != "layer"}
+    out, st = sla_forward(q, k, v, w, mix=mix, **kw)
+    empty = (torch.zeros(2, 2, 8, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 16),
+             *empty_kept(2, 16, "cpu", v.dtype))
+    ref, ref_st = sla_forward(q, k, v, w, mix=mix, state=empty, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(st, ref_st):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 # window 6, sinks 2: 7 kept tokens from 7 seen on; (7, 8): one row's first fold beside a later one
 @pytest.mark.parametrize("lengths", [(30, 45, 60), (4, 4), (7, 8)], ids=["steady", "filling", "first-fold"])
 def test_decode_rows_stacked_match_each_row_alone(lengths):
