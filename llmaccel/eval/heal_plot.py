@@ -36,6 +36,8 @@ def plot_stats(runs: list[tuple[str, dict]], out: str, title: str = "heal", quie
         if st.get("refresh_windows"):   # named apart from the same pass healed without them
             data += f" + {st['refresh_windows']} while training"
             label = f"{label} +refresh"
+        if str(st.get("compiled", "")).endswith("by layer"):   # heal.regional: more steps, same data
+            label = f"{label} by layer"
         ax.plot(xs, st["loss_curve"], color=colour, label=f"{label} ({st['steps']} steps{data}): held-out "
                 f"ΔPPL {st['delta_ppl_pct_before']:+.0f}% → {st['delta_ppl_pct_after']:+.0f}%")
         dc = st.get("domain_curve")
