@@ -30,6 +30,10 @@ from llmaccel.ops.sla_window import (empty_kept, window_decode, window_forward, 
                                      window_state_bytes, window_whole)
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
+# tokens per window_forward call from a state: a prefill chunk of thousands of tokens (the engine's
+# step budget) would otherwise score all of them against each other (an 8,192-token chunk of
+# SmolLM2: 2.4 GB of fp32 scores per tensor), where at most window + sinks keys are exact
+STEP_CHUNK = 512
 
 __all__ = ["linear_attention", "sla_forward", "LinearAttentionCache", "state_bytes"]
 
@@ -129,10 +133,15 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
             o = window_whole(q, k, v, mix, **wkw)
             if with_state:
                 S, z, kept = window_state(k, v, n_kv_heads=Hkv, head_dim=D, window=window, sinks=sinks)
-        else:
-            # positions (B, L): B sequences' states stacked, one token each (window_decode)
-            step = window_decode if state[5].dim() == 2 else window_forward
-            o, S, z, kept = step(q, k, v, mix, S=S, z=z, kept=tuple(state[3:]), **wkw)
+        elif state[5].dim() == 2:  # positions (B, L): B sequences' states stacked, one token each
+            o, S, z, kept = window_decode(q, k, v, mix, S=S, z=z, kept=tuple(state[3:]), **wkw)
+        else:  # from a state: STEP_CHUNK tokens at a time, each scored against itself and the kept
+            kept, parts = tuple(state[3:]), []
+            for i in range(0, T, STEP_CHUNK):
+                part, S, z, kept = window_forward(q[:, i:i + STEP_CHUNK], k[:, i:i + STEP_CHUNK],
+                                                  v[:, i:i + STEP_CHUNK], mix, S=S, z=z, kept=kept, **wkw)
+                parts.append(part)
+            o = torch.cat(parts, 1)
     else:
         qh = torch.relu(q.float()).view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
         kh = torch.relu(k.float()).view(B, T, Hkv, D).transpose(1, 2)

@@ -110,6 +110,19 @@ def test_a_prompt_from_the_empty_state_matches_the_step_form(T):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_long_step_from_a_state_goes_in_pieces_and_matches_the_whole_sequence(monkeypatch):
+    """A step of more tokens than STEP_CHUNK from a state = the whole-sequence form's outputs."""
+    import llmaccel.ops.sla as sla
+    monkeypatch.setattr(sla, "STEP_CHUNK", 7)
+    q, k, v, w, mix, kw = _inputs(2, 40, 4, 2, 8, 3, 6, 2)
+    whole = linear_attention(q, k, v, None, w, mix, **kw)
+    cache = LinearAttentionCache(2, 40, torch.float32, "cpu")
+    first = linear_attention(q[:, :5], k[:, :5], v[:, :5], cache, w, mix, **kw)
+    cache.advance(5)
+    rest = linear_attention(q[:, 5:], k[:, 5:], v[:, 5:], cache, w, mix, **kw)   # 35 tokens, 5 pieces
+    torch.testing.assert_close(torch.cat([first, rest], 1), whole, rtol=1e-5, atol=1e-5)
+
+
 # window 6, sinks 2: 7 kept tokens from 7 seen on; (7, 8): one row's first fold beside a later one
 @pytest.mark.parametrize("lengths", [(30, 45, 60), (4, 4), (7, 8)], ids=["steady", "filling", "first-fold"])
 def test_decode_rows_stacked_match_each_row_alone(lengths):
