@@ -117,6 +117,15 @@ def _spec(draft: str | None):
     return build
 
 
+def _sla_llm(o: Options, row: str) -> list[Job]:
+    """LLM over sla with a window of 64 and 4 sinks (a recurrent state per sequence, eager steps)
+    beside the source at the same shape and batch: decode from a constant state against attention
+    over the KV cache (speed only: preset weights, the sla fit on the bench's own text)."""
+    sla = ["--passes", "sla,fuse", "--set", "sla.window=64", "--set", "sla.sinks=4", "--no-profile"]
+    return [_bench(o, row, "llmc_smollm2-135m_bs8", "smollm2-135m", 8, 200, "--no-profile"),
+            _bench(o, row, "llmc_smollm2-135m-sla-w64_bs8", "smollm2-135m", 8, 240, *sla)]
+
+
 def _w4(group: int) -> list[str]:
     """The LM head in int4 too (its own copy of the tied embedding), as in the goal's figure."""
     return ["--passes", "fuse,quant", "--set", "quant.bits=4", "--set", f"quant.group_size={group}",
@@ -162,13 +171,15 @@ ROWS = {
                              ["--model", "preset:smollm2-135m"], "heal_sampling.json",
                              small_args=["--model", SMALL_SRC, "--windows", "8", "--length", "65",
                                          "--dtype", "float32"]),
+    "sla_llm": _sla_llm,
     "spec": _spec(None),
     "spec_self": _spec("self:8"),
     "spec_ngram": _spec("ngram"),
 }
 GROUPS = {
     "goals": ["b1", "b1s", "smol", "smols", "b64", "b64s", "w4", "7b", "load"],
-    "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sparse", "heal", "heal_sampling", "w4compile"],
+    "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sla_llm", "sparse", "heal", "heal_sampling",
+               "w4compile"],
     "specs": ["spec", "spec_self", "spec_ngram"],
 }
 GROUPS["all"] = GROUPS["goals"] + ["serve"] + GROUPS["checks"] + GROUPS["specs"]

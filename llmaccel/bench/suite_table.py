@@ -130,6 +130,10 @@ def table(records: list[dict]) -> str:
         for k, why in (res.get("graph_failures") or {}).items():
             lines.append(f"{r['label']}: decode shape {k} uncaptured: {why}")
     lines += spec_lines(by)
+    sla, src = _tok_s(by, "llmc_smollm2-135m-sla-w64_bs8"), _tok_s(by, "llmc_smollm2-135m_bs8")
+    if sla is not None:
+        lines.append(f"smollm2-135m sla window 64 + 4 sinks bs8 through LLM: {_fmt(sla)} tok/s, the source "
+                     f"{_fmt(src)} ({_ratio(sla, src)})")
     for r in records:
         if r.get("status") == "failed":
             lines.append(f"FAILED {r['label']}: {r['error']}: {r.get('tail', '')[-300:]!r}")

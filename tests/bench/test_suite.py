@@ -137,3 +137,14 @@ def test_every_row_plans(small):
     for j in jobs:
         if small and j.skip is None:
             assert "preset:tiny-llama" in j.argv or "--small" in j.argv, j.label
+
+
+def test_sla_llm_row_benches_sla_beside_the_source(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert suite.main(["--device", "cpu", "--small", "--rows", "sla_llm", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    by = {r["label"]: r for r in map(json.loads, (out / "suite.jsonl").read_text().splitlines())}
+    sla = by["llmc_smollm2-135m-sla-w64_bs8"]
+    assert sla["status"] == "ok" and sla["result"]["decode_tok_s"] > 0
+    assert "sla" in sla["result"]["passes"] and by["llmc_smollm2-135m_bs8"]["status"] == "ok"
+    assert "sla window 64 + 4 sinks bs8 through LLM:" in printed
