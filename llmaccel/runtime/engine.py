@@ -411,4 +411,6 @@ class LLM(DecodeSteps, EagerSteps):
                  f"sorted ({self.sampler_fallback})" if self.sampler_fallback else "kernel")
         if self.kivi:
             s.update(kivi_metrics(self.cache, self.bm))
+        if self.sla:  # the slots' recurrent states (at most two per slot and layer: before and after a step)
+            s.update(sla_state_bytes=self.cache.nbytes())
         return s

@@ -44,7 +44,7 @@ def test_greedy_matches_reference_executor(case, kw, monkeypatch):
     met = llm.metrics()
     assert met["kv_blocks_used"] == 0 and met["prefix_caching"] is False
     assert met["kv_blocks_total"] == kw.get("max_num_seqs", met["kv_blocks_total"])
-    assert llm.cache.nbytes() > 0
+    assert met["sla_state_bytes"] == llm.cache.nbytes() > 0
 
 
 def test_speculative_decoding_is_refused(case):
