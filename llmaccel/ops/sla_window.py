@@ -34,6 +34,27 @@ def split_keys(qpos: torch.Tensor, kpos: torch.Tensor, window: int, sinks: int):
     return exact, causal & ~exact
 
 
+def _attend(q, k, v, kk, vv, mix, exact, mid, Hkv: int, D: int, scale: float, eps: float, S, z):
+    """The windowed attention of q over the kept keys and values then k, v (one normalizer for the
+    exact and the linear part); exact and mid are key masks broadcastable to (B, Hkv, G, T, L + T).
+    Returns (out (B, T, H*D) fp32, phi of the keys and the values (B, Hkv, L + T, D), fp32)."""
+    B, T, HD = q.shape
+    G = HD // (Hkv * D)
+    keys = torch.cat([kk.to(k.dtype), k], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
+    vals = torch.cat([vv.to(v.dtype), v], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
+    qh = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)         # (B, Hkv, G, T, D)
+    sc = (qh @ keys[:, :, None].transpose(-1, -2)) * scale             # (B, Hkv, G, T, L + T)
+    sc = sc.masked_fill(~exact, float("-inf"))
+    m = sc.amax(-1, keepdim=True)
+    e = torch.exp(sc - m)
+    fq, fk = torch.relu(qh), torch.relu(keys)
+    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
+    f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)                  # (B, Hkv, G, T, 1)
+    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
+    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
+    return (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, T, HD), fk, vals
+
+
 def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
                    sinks: int, scale: float, eps: float, S, z, kept):
     """The attention part (no conv) of the windowed op from state (S, z, kept), and the state
@@ -44,25 +65,11 @@ def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int
     Returns (out (B, T, H*D) fp32, S, z, kept) after these T tokens.
     """
     B, T, _ = q.shape
-    H, Hkv, D = n_heads, n_kv_heads, head_dim
-    G = H // Hkv
     kk, vv, kpos, seen = kept
     pos = seen + torch.arange(T, device=q.device)                      # (T,) absolute positions
-    keys = torch.cat([kk.to(k.dtype), k], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
-    vals = torch.cat([vv.to(v.dtype), v], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
     apos = torch.cat([kpos, pos])                                      # (L + T,)
-    qh = q.float().view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4)         # (B, Hkv, G, T, D)
     exact, mid = split_keys(pos, apos, window, sinks)
-    sc = (qh @ keys[:, :, None].transpose(-1, -2)) * scale             # (B, Hkv, G, T, L + T)
-    sc = sc.masked_fill(~exact, float("-inf"))
-    m = sc.amax(-1, keepdim=True)
-    e = torch.exp(sc - m)
-    fq, fk = torch.relu(qh), torch.relu(keys)
-    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
-    f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)                  # (B, Hkv, G, T, 1)
-    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
-    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
-    out = (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+    out, fk, vals = _attend(q, k, v, kk, vv, mix, exact, mid, n_kv_heads, head_dim, scale, eps, S, z)
     # tokens that no later query sees exactly move into the state; the rest stay kept
     end = seen + T
     fold = (apos >= sinks) & (apos <= end - window)
@@ -83,28 +90,15 @@ def window_decode(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int,
     as many tokens into S and z, none or one). q (B, 1, H*D), k and v (B, 1, Hkv*D). Returns
     (out (B, 1, H*D) fp32, S, z, kept) in the same stacked form. Equal to window_forward row by
     row (tested)."""
-    B = q.shape[0]
-    H, Hkv, D = n_heads, n_kv_heads, head_dim
-    G = H // Hkv
+    B, Hkv, D = q.shape[0], n_kv_heads, head_dim
     kk, vv, kpos, seen = kept
     apos = torch.cat([kpos, seen[:, None]], 1)                         # (B, L + 1)
     exact = (seen[:, None] - apos < window) | (apos < sinks)           # the token itself is exact
+    ex = exact[:, None, None, None, :]                                 # every earlier key is causal
+    out, fk, vals = _attend(q, k, v, kk, vv, mix, ex, ~ex, Hkv, D, scale, eps, S, z)
+    # as window_forward: the tokens no later query sees exactly move into S and z
     end = seen + 1
     fold = (apos >= sinks) & (apos <= end[:, None] - window)
-    keys = torch.cat([kk.to(k.dtype), k], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
-    vals = torch.cat([vv.to(v.dtype), v], 1).float().view(B, -1, Hkv, D).transpose(1, 2)
-    qh = q.float().view(B, 1, Hkv, G, D).permute(0, 2, 3, 1, 4)         # (B, Hkv, G, 1, D)
-    ex = exact[:, None, None, None, :]
-    sc = ((qh @ keys[:, :, None].transpose(-1, -2)) * scale).masked_fill(~ex, float("-inf"))
-    m = sc.amax(-1, keepdim=True)
-    e = torch.exp(sc - m)
-    fq, fk = torch.relu(qh), torch.relu(keys)
-    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(ex, 0.0)  # every earlier token is causal
-    f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)
-    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
-    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
-    out = (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, 1, H * D)
-    # as window_forward: the tokens no later query sees exactly move into S and z
     fidx = fold.nonzero()[:, 1].view(B, -1)                            # row-major: per row, in order
     kidx = (~fold).nonzero()[:, 1].view(B, -1)
     fk_f = fk.gather(2, fidx[:, None, :, None].expand(B, Hkv, -1, D))

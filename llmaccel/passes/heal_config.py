@@ -7,6 +7,7 @@ from typing import Literal
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.ir import op_nodes
 from llmaccel.ops.sla import linear_attention
 from llmaccel.passes.base import PassContext
 
@@ -144,7 +145,7 @@ class HealConfig:
         """heal.regional with auto resolved for the graph to heal (on where it has linear attention)."""
         if self.regional != "auto":
             return self.regional == "true"
-        return any(n.op == "call_function" and n.target is linear_attention for n in gm.graph.nodes)
+        return bool(op_nodes(gm, linear_attention))
 
     def domain_plan(self, device: str) -> tuple[int, int]:
         """(tokens per domain, measuring points during the heal), auto resolved for `device`."""

@@ -10,7 +10,7 @@ import torch
 from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
-from llmaccel.ir import attention_layers
+from llmaccel.ir import attention_layers, op_nodes
 from llmaccel.ops.sla import linear_attention
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import DecodeRunner
@@ -75,8 +75,7 @@ class LLM(DecodeSteps, EagerSteps):
             raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
         # linear attention (sla): a recurrent state per sequence in a slot of its own (sla_states.py)
-        self.sla = any(n.op == "call_function" and n.target is linear_attention
-                       for n in self.model.gm.graph.nodes)
+        self.sla = bool(op_nodes(self.model.gm, linear_attention))
         if self.sla and speculative is not None:
             raise LlmaccelError("speculative decoding does not run on linear attention (sla) yet: its "
                                 "recurrent state cannot roll back rejected tokens; drop speculative=")
@@ -95,7 +94,7 @@ class LLM(DecodeSteps, EagerSteps):
             warnings.warn(f"sampling runs in sorted torch ops: the sampling kernel failed its "
                           f"check ({self.sampler_fallback})")
         if self.sla:  # one slot per sequence, one block of the longest sequence per slot
-            self.cache = SlaStates(max_num_seqs)
+            self.cache = SlaStates()
             self.bm = BlockManager(max_num_seqs, self.cfg.max_position, prefix_caching=False)
         elif self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,

@@ -25,8 +25,7 @@ from llmaccel.ops.sla import sla_forward
 class SlaStates:
     """Per slot and layer, up to two (tokens covered, state) pairs."""
 
-    def __init__(self, num_slots: int):
-        self.num_blocks = num_slots
+    def __init__(self):
         self.slots: dict[int, dict[int, list[tuple[int, tuple]]]] = {}
 
     def get(self, slot: int, layer: int, start: int) -> tuple | None:
@@ -59,6 +58,7 @@ class SlaContext:
     def __init__(self, states: SlaStates, spans: list[tuple[int, int, int, int]],
                  logits_indices: torch.Tensor):
         self.states, self.spans, self.logits_indices = states, spans, logits_indices
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}  # decode rows stepped together -> their rows
 
     def linear_attend(self, layer, q, k, v, conv_weight, **kw):
         states = [self.states.get(slot, layer, start) for slot, start, _, _ in self.spans]
@@ -80,18 +80,21 @@ class SlaContext:
     def _step_together(self, layer, rows, states, q, k, v, conv_weight, kw, outs) -> None:
         """The rows' states stacked, one sla_forward for their tokens, the states split again
         (views of the stacked tensors)."""
-        idx = torch.tensor([self.spans[i][2] for i in rows], device=q.device)
+        key = tuple(rows)
+        if key not in self._rows:  # the same rows in every layer: one copy to the device a step
+            self._rows[key] = torch.tensor([self.spans[i][2] for i in rows], device=q.device)
+        idx = self._rows[key]
         qs, ks, vs = (x[0].index_select(0, idx)[:, None] for x in (q, k, v))
         st = [states[i] for i in rows]
-        stacked = tuple(torch.cat([s[j] for s in st]) for j in range(5 if len(st[0]) > 3 else 3))
-        if len(st[0]) > 3:  # the window's kept positions and count of tokens seen, per sequence
-            stacked += (torch.stack([s[5] for s in st]), torch.stack([s[6] for s in st]))
+        # tensors with a batch dim (S, z, the conv tail, the kept keys and values) are concatenated;
+        # the window's kept positions and count of tokens seen, one per sequence, are stacked
+        n = min(len(st[0]), 5)
+        stacked = tuple(torch.cat([s[j] for s in st]) for j in range(n)) + \
+            tuple(torch.stack([s[j] for s in st]) for j in range(n, len(st[0])))
         out, new = sla_forward(qs, ks, vs, conv_weight, state=stacked, **kw)
         for r, i in enumerate(rows):
             slot, start, _, _ = self.spans[i]
-            row = tuple(t[r:r + 1] for t in new[:5]) if len(new) > 3 else tuple(t[r:r + 1] for t in new)
-            if len(new) > 3:
-                row += (new[5][r], new[6][r])
+            row = tuple(t[r:r + 1] for t in new[:n]) + tuple(t[r] for t in new[n:])
             self.states.put(slot, layer, start, start + 1, row)
             outs[i] = out[r:r + 1]
 

@@ -53,7 +53,7 @@ def test_speculative_decoding_is_refused(case):
 
 
 def test_a_step_run_again_starts_from_its_state():
-    s = SlaStates(2)
+    s = SlaStates()
     a, b, c = (torch.zeros(1),), (torch.ones(1),), (torch.full((1,), 2.0),)
     assert s.get(0, 3, 0) is None          # position 0: the empty state, whatever the slot held
     s.put(0, 3, 0, 5, a)
