@@ -21,6 +21,11 @@ sparsity instead of trading sparsity for it (with a fixed shift of 0.25 an H200 
 from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); heal_finish solves it once
 more and writes it back as a float. On a graph ReLUfied before (an artifact healed further)
 `relu.sparsity` solves the shift again and holds it through a heal after it; nothing else moves.
+
+`relu.ramp=R` (with `relu.sparsity` and a heal) raises the sparsity gradually instead (ProSparse's
+progressive sparsification): the pass ReLUfies at shift 0 (its bias correction and fit there, the
+least damaged ReLU model), and the held target rises linearly from that graph's own sparsity to
+`relu.sparsity` over the first R of the heal's progress, then stays there.
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ class ReluConfig(FitOptions):
     # target mean sparsity (fraction of zero activations on the calibration tokens): the shift
     # is solved for it and held through a later heal (module docstring); 0 = `shift` as given
     sparsity: float = 0.0
+    # fraction of the heal over which the held sparsity rises from shift 0's to `sparsity`
+    ramp: float = 0.0
     bias_correct: bool = True   # fold the activation's mean change into a down bias
     sparse_op: bool = True      # down-projection -> sparse_down (False: keep a plain linear)
     calib_samples: int = 8
@@ -73,6 +80,10 @@ class ReluConfig(FitOptions):
             raise LlmaccelError(f"relu.sparsity must be in [0, 1), got {self.sparsity}")
         if self.sparsity and self.shift:
             raise LlmaccelError("set relu.shift or relu.sparsity, not both (the shift is solved for the sparsity)")
+        if not 0 <= self.ramp < 1:
+            raise LlmaccelError(f"relu.ramp must be a fraction of the heal in [0, 1), got {self.ramp}")
+        if self.ramp and not self.sparsity:
+            raise LlmaccelError("relu.ramp raises the sparsity to relu.sparsity: set relu.sparsity too")
 
 
 def _probe(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], ids: torch.Tensor) -> list:
@@ -108,9 +119,11 @@ class _Hold:
     """What the training form needs to hold its sparsity: the tokens it is measured on, the
     target, and the training progress of the next solve."""
 
-    def __init__(self, ids: torch.Tensor, target: float, kind: str, dtype: torch.dtype):
+    def __init__(self, ids: torch.Tensor, target: float, kind: str, dtype: torch.dtype,
+                 start: float = 0.0, ramp: float = 0.0):
         # solved at the heal's first step too: the fit and the earlier layers' ReLUs moved the gates
         self.ids, self.target, self.kind, self.next = ids, target, kind, 0.0
+        self.start, self.ramp = start, ramp   # the target at progress 0, reached at `ramp`
         # a model held in a lower precision is probed under autocast to it: during the heal its
         # trained weights are fp32 master copies beside its other weights (as heal_data.DomainEval)
         self.amp = None if dtype == torch.float32 else dtype
@@ -118,15 +131,20 @@ class _Hold:
         # reads gm's own weight objects, which the heal updates in place
         self.probe: torch.fx.GraphModule | None = None
 
+    def target_at(self, frac: float) -> float:
+        if frac >= self.ramp:
+            return self.target
+        return self.start + (self.target - self.start) * frac / self.ramp
+
     @torch.no_grad()
-    def solve(self, gm: torch.fx.GraphModule) -> float:
+    def solve(self, gm: torch.fx.GraphModule, frac: float = 1.0) -> float:
         acts = op_nodes(gm, relu_glu_held)
         if self.probe is None:
             self.probe = probe(gm, [n for a in acts for n in a.args[:2]])
         amp = torch.autocast(self.ids.device.type, self.amp) if self.amp else contextlib.nullcontext()
         with amp:
             vals = self.probe(self.ids, positions(self.ids), None)
-        shift = shift_for(vals[0::2], vals[1::2], self.kind, self.target)
+        shift = shift_for(vals[0::2], vals[1::2], self.kind, self.target_at(frac))
         weight_of(gm, acts[0].args[2]).fill_(shift)
         return shift
 
@@ -194,6 +212,8 @@ class Relu(Pass):
         mlps = op_nodes(gm, ops.silu_mul)
         if not mlps and op_nodes(gm, ops.relu_mul, relu_glu) and c.sparsity:
             return self._retarget(gm, ctx)
+        if c.ramp and "heal" not in ctx.later:
+            raise LlmaccelError("relu.ramp raises the sparsity during a heal: add heal after relu")
         if not mlps:
             fam = ctx.config.family if ctx.config is not None else "this"
             raise LlmaccelError(f"relu: the {fam} graph has no SiLU-gated MLP (silu_mul) to ReLUfy "
@@ -204,7 +224,7 @@ class Relu(Pass):
         gate_up = [n for a in mlps for n in a.args[:2]]
         vals = _probe(gm, gate_up, ids) if c.bias_correct or c.sparsity else []
         shift = c.shift
-        if c.sparsity:
+        if c.sparsity and not c.ramp:   # ramped: rewritten at shift 0, the heal raises it
             shift = shift_for(vals[0::2], vals[1::2], c.kind, c.sparsity)
             for _ in range(_SOLVE_ROUNDS):  # the earlier layers' ReLUs move the later gates
                 self._set_acts(mlps, shift)
@@ -224,12 +244,13 @@ class Relu(Pass):
                 self._to_sparse(gm, down, s)
         held = bool(c.sparsity) and "heal" in ctx.later
         if held:
-            self._hold(gm, mlps, ids, shift)
+            self._hold(gm, mlps, ids, shift, start=sum(sparsity) / len(sparsity))
         prune_weights(gm)
         mean = sum(sparsity) / len(sparsity)
         return PassResult(gm, len(mlps), {
             "kind": c.kind, "mlps": len(mlps), "shift": round(float(shift), 6),
             **({"sparsity_target": c.sparsity, "held_through_heal": held} if c.sparsity else {}),
+            **({"ramp": c.ramp} if c.ramp else {}),
             "sparsity_mean": round(mean, 4),
             "sparsity_min": round(min(sparsity), 4), "sparsity_max": round(max(sparsity), 4),
             "sparsity_per_layer": [round(s, 4) for s in sparsity],
@@ -245,8 +266,9 @@ class Relu(Pass):
         if kinds != {c.kind}:
             raise LlmaccelError(f"relu: the graph's MLPs are ReLUfied with kind {', '.join(sorted(kinds))}, "
                                 f"not relu.kind={c.kind}")
-        if c.fit:
-            raise LlmaccelError("relu.fit: the graph's MLPs are ReLUfied already; the fit needs the SiLU "
+        if c.fit or c.ramp:
+            what = "relu.fit" if c.fit else "relu.ramp"
+            raise LlmaccelError(f"{what}: the graph's MLPs are ReLUfied already; it needs the SiLU "
                                 "MLPs they replaced")
         ids = ctx.calib_tokens(c.calib_samples, c.calib_seq_len).to(ctx.device)
         gate_up = [n for a in acts for n in a.args[:2]]
@@ -304,7 +326,7 @@ class Relu(Pass):
             out.append((F.silu(g) * u - new).flatten(0, -2).mean(0))
         return out
 
-    def _hold(self, gm, acts, ids: torch.Tensor, shift: float) -> None:
+    def _hold(self, gm, acts, ids: torch.Tensor, shift: float, start: float = 0.0) -> None:
         """The training form: every activation reads one shift buffer that heal_schedule moves."""
         # a buffer, not a parameter: the heal trains parameters
         gm.register_buffer(_SHIFT, torch.tensor(float(shift), device=next(gm.parameters()).device))
@@ -314,7 +336,8 @@ class Relu(Pass):
             act.target, act.args, act.kwargs = relu_glu_held, (*act.args[:2], buf), {"kind": self.config.kind}
         dtypes = [p.dtype for p in gm.parameters() if p.is_floating_point()]
         dtype = max(set(dtypes), key=dtypes.count)   # the model's own (the heal's masters are fp32)
-        gm.relu_hold = _Hold(ids[:_HOLD_WINDOWS], self.config.sparsity, self.config.kind, dtype)
+        c = self.config
+        gm.relu_hold = _Hold(ids[:_HOLD_WINDOWS], c.sparsity, c.kind, dtype, start, c.ramp)
 
     @classmethod
     def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
@@ -322,7 +345,7 @@ class Relu(Pass):
         if hold is None or frac >= 1.0 or frac < hold.next:  # 1.0: the inference state, as it is
             return
         hold.next = frac + _HOLD_EVERY
-        hold.solve(gm)
+        hold.solve(gm, frac)
 
     @classmethod
     def heal_finish(cls, gm: torch.fx.GraphModule) -> dict:

@@ -173,6 +173,31 @@ def test_heal_holds_the_target_sparsity():
     assert [n.kwargs["sparsity"] for n in op_nodes(m.gm, sparse_down)] == held["sparsity_per_layer"]
 
 
+def test_ramp_rewrites_at_shift_0_and_the_heal_raises_the_sparsity_to_its_target():
+    """relu.ramp: the pass ReLUfies at shift 0 (the graph's own sparsity), the held target rises
+    linearly to relu.sparsity over the first `ramp` of the heal and ends there."""
+    calib = {"calib_samples": "4", "calib_seq_len": "32"}
+    opts = {"relu": {**calib, "sparsity": "0.8", "ramp": "0.5"},
+            "heal": {"steps": "8", "seq_len": "16", "batch": "2", "eval_windows": "2", "lr": "3e-2"}}
+    m = compile("preset:tiny-llama", ["relu", "heal"], opts, progress=False, eval_tokens=0)
+    relu_st, heal_st = (p["stats"] for p in m.report["passes"])
+    assert relu_st["shift"] == 0 and relu_st["ramp"] == 0.5 and relu_st["held_through_heal"]
+    assert relu_st["sparsity_mean"] < 0.7, relu_st     # ReLU alone, far from the target
+    held = heal_st["relu_held"]
+    assert held["target"] == 0.8 and abs(held["sparsity_mean"] - 0.8) < 0.01, held
+    assert held["shift"] > 0
+    # the schedule: the start at progress 0, linear to the target at the ramp's end, then flat
+    from llmaccel.passes.relu import _Hold
+    h = _Hold(torch.zeros(1, 2, dtype=torch.long), 0.8, "relu", torch.float32, start=0.5, ramp=0.5)
+    assert [h.target_at(f) for f in (0.0, 0.25, 0.5, 0.9, 1.0)] == pytest.approx([0.5, 0.65, 0.8, 0.8, 0.8])
+    with pytest.raises(LlmaccelError, match="add heal"):
+        _run(load("preset:tiny-llama"), sparsity=0.8, ramp=0.5)
+    with pytest.raises(LlmaccelError, match="set relu.sparsity too"):
+        make_config(get_pass("relu"), {"ramp": "0.5"})
+    with pytest.raises(LlmaccelError, match=r"\[0, 1\)"):
+        make_config(get_pass("relu"), {"sparsity": "0.7", "ramp": "1"})
+
+
 @pytest.mark.filterwarnings("ignore:.*has no tokenizer")
 def test_a_relu_artifact_is_held_again_at_a_new_sparsity(tmp_path):
     """An artifact healed further: relu on its ReLUfied graph solves the shift again for
