@@ -30,6 +30,16 @@ DOMAINS: dict[str, tuple[str, str]] = {
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
+def ppl_of(mean_nll: float) -> float:
+    """exp(mean NLL); inf where that overflows a float (a broken model's NLL of 700+ nats a
+    token is a result to report, not an error)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
+
 def domain_tokens(encode: Callable[[str], list[int]], max_tokens: int, names=None) -> dict[str, torch.Tensor]:
     """{domain: the first max_tokens token ids of its evaluation text}, by `encode` (text_encoder)."""
     names = list(DOMAINS) if names is None else list(names)
@@ -90,14 +100,14 @@ def compare(source: Forward, models: dict[str, Forward], tokens: dict[str, torch
                 a["nll"] += F.nll_loss(lp_m, y, reduction="sum").item()
                 a["kl"] += F.kl_div(lp_m, lp_b, log_target=True, reduction="sum").item()
                 a["top1"] += (lp_b.argmax(-1) == lp_m.argmax(-1)).sum().item()
-        src_ppl = math.exp(src_nll / n)
+        src_ppl = ppl_of(src_nll / n)
         res: dict = {"tokens": n, "source_ppl": round(src_ppl, 4)}
         for name, a in acc.items():
-            ppl = math.exp(a["nll"] / n)
+            ppl = ppl_of(a["nll"] / n)
             res[name] = {"ppl": round(ppl, 4), "delta_ppl_pct": round(100 * (ppl / src_ppl - 1), 3),
                          "kl": round(a["kl"] / n, 5), "top1": round(a["top1"] / n, 4)}
         out[dom] = res
     return out
 
 
-__all__ = ["DOMAINS", "DATA_DIR", "text_encoder", "domain_tokens", "window_batches", "graph_forward", "compare"]
+__all__ = ["DOMAINS", "ppl_of", "DATA_DIR", "text_encoder", "domain_tokens", "window_batches", "graph_forward", "compare"]

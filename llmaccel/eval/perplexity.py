@@ -1,7 +1,6 @@
 """Perplexity over non-overlapping windows, and fidelity (KL, top-1) against a baseline."""
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -9,7 +8,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.eval.domains import window_batches
+from llmaccel.eval.domains import ppl_of, window_batches
 
 # Prefill chunk for graphs whose KV cache is quantized: small next to the residual window, so
 # that tokens age into the quantized store as they would while decoding.
@@ -32,6 +31,7 @@ def window_logits(model, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
     cache = model.new_cache(x.shape[0], x.shape[1])
     parts = [model.logits(x[:, s: s + chunk], s, cache) for s in range(0, x.shape[1], chunk)]
     return torch.cat(parts, 1)
+
 
 
 @torch.no_grad()
@@ -66,9 +66,9 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
             agree += (base.argmax(-1) == logits.argmax(-1)).sum().item()
         bar.update(x.shape[0])
     bar.close()
-    out = {"ppl": math.exp(nll / n), "nll": nll / n, "tokens": n, "windows": n_windows, "ctx": ctx,
+    out = {"ppl": ppl_of(nll / n), "nll": nll / n, "tokens": n, "windows": n_windows, "ctx": ctx,
            "chunk": chunk}
     if baseline is not None:
         # The baseline's own perplexity comes free with its logits (no second pass over the text).
-        out.update(kl=kl / n, top1=agree / n, baseline_ppl=math.exp(base_nll / n))
+        out.update(kl=kl / n, top1=agree / n, baseline_ppl=ppl_of(base_nll / n))
     return out

@@ -41,6 +41,7 @@ from llmaccel.passes.heal_config import HealConfig
 from llmaccel.passes.heal_data import PROMPT_TOKENS, DomainEval, WindowPool, resolve_prompts, sample_source
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype)
+from llmaccel.eval.domains import ppl_of
 from llmaccel.ir import is_op, positions, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)
@@ -110,7 +111,7 @@ def held_out_quality(gm, teacher_gm, windows: torch.Tensor, batch: int) -> dict:
         nll_t += F.cross_entropy(lt.flatten(0, 1), y.flatten(), reduction="sum").item()
         kl += kl_loss(ls, lt).item() * y.numel()
         n += y.numel()
-    ppl, base = math.exp(nll_s / n), math.exp(nll_t / n)
+    ppl, base = ppl_of(nll_s / n), ppl_of(nll_t / n)
     return {"ppl": ppl, "source_ppl": base, "delta_ppl_pct": 100 * (ppl / base - 1), "kl": kl / n}
 
 

@@ -90,3 +90,19 @@ def test_a_model_without_a_tokenizer_that_is_no_preset_warns_it_reads_bytes(tmp_
     m.source = str(tmp_path / "artifact")
     with pytest.warns(UserWarning, match="read as UTF-8 bytes"):
         assert text_encoder(m)("ab") == [97, 98]
+
+
+def test_a_model_past_exp_range_reports_inf_ppl_not_an_error():
+    """A broken model (a mean NLL over ~710 nats a token) has perplexity inf: exp overflows a
+    float, and that is a figure to report (the compile report, the heal's and the domains')."""
+    from llmaccel.eval.domains import ppl_of
+    from llmaccel.passes.heal import held_out_quality
+    m, src = load("preset:tiny-llama"), load("preset:tiny-llama")
+    with torch.no_grad():
+        dict(m.gm.named_parameters())["norm.weight"].mul_(1e5)   # logits of ~1e4
+    ids = torch.randint(0, 512, (40,))
+    res = evaluate(m, ids, ctx=16, baseline=src, progress=False)
+    assert res["nll"] > 710 and res["ppl"] == math.inf and math.isfinite(res["baseline_ppl"])
+    q = held_out_quality(m.gm, src.gm, ids[:32].view(2, 16), 2)
+    assert q["ppl"] == math.inf and q["delta_ppl_pct"] == math.inf and math.isfinite(q["kl"])
+    assert ppl_of(1.0) == pytest.approx(math.e)
