@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla_window import (empty_kept, window_decode, window_forward, window_state,
+from llmaccel.ops.sla_window import (empty_kept, ring_decode, window_forward, window_state,
                                      window_state_bytes, window_whole)
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
@@ -106,8 +106,8 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
     state = (S (B, Hkv, D, D) fp32, z (B, Hkv, D) fp32, tail (B, K-1, Hkv*D) last values), and
     with a window the kept keys, values, their positions and the count of tokens seen.
     with_state False: the caller discards the returned state (the whole-sequence form), so a
-    window need not compute it. With a window, a state of B sequences stacked (positions (B, L),
-    seen (B,)) steps one token of each at once (ops/sla_window.window_decode).
+    window need not compute it. With a window, a state of B sequences in the ring form (positions
+    (B, L), seen (B,); ops/sla_window.to_ring) steps one token of each at once (ring_decode).
     """
     B, T, _ = q.shape
     H, Hkv, D, K = n_heads, n_kv_heads, head_dim, kernel_size
@@ -133,8 +133,8 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
             o = window_whole(q, k, v, mix, **wkw)
             if with_state:
                 S, z, kept = window_state(k, v, n_kv_heads=Hkv, head_dim=D, window=window, sinks=sinks)
-        elif state[5].dim() == 2:  # positions (B, L): B sequences' states stacked, one token each
-            o, S, z, kept = window_decode(q, k, v, mix, S=S, z=z, kept=tuple(state[3:]), **wkw)
+        elif state[5].dim() == 2:  # positions (B, L): B sequences' states in the ring form, one token each
+            o, S, z, kept = ring_decode(q, k, v, mix, S=S, z=z, ring=tuple(state[3:]), **wkw)
         else:  # from a state: STEP_CHUNK tokens at a time, each scored against itself and the kept
             kept, parts = tuple(state[3:]), []
             for i in range(0, T, STEP_CHUNK):

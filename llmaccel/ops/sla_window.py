@@ -36,7 +36,8 @@ def split_keys(qpos: torch.Tensor, kpos: torch.Tensor, window: int, sinks: int):
 
 def _attend(q, k, v, kk, vv, mix, exact, mid, Hkv: int, D: int, scale: float, eps: float, S, z):
     """The windowed attention of q over the kept keys and values then k, v (one normalizer for the
-    exact and the linear part); exact and mid are key masks broadcastable to (B, Hkv, G, T, L + T).
+    exact and the linear part); exact and mid are key masks broadcastable to (B, Hkv, G, T, L + T)
+    (mid None: no key of the call is in the linear part, only S and z are).
     Returns (out (B, T, H*D) fp32, phi of the keys and the values (B, Hkv, L + T, D), fp32)."""
     B, T, HD = q.shape
     G = HD // (Hkv * D)
@@ -48,10 +49,13 @@ def _attend(q, k, v, kk, vv, mix, exact, mid, Hkv: int, D: int, scale: float, ep
     m = sc.amax(-1, keepdim=True)
     e = torch.exp(sc - m)
     fq, fk = torch.relu(qh), torch.relu(keys)
-    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
     f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)                  # (B, Hkv, G, T, 1)
-    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
-    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
+    num_lin, den_lin = fq @ S[:, :, None], fq @ z[:, :, None, :, None]
+    if mid is not None:   # keys of this call in the linear part (a decode step has none)
+        lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
+        num_lin, den_lin = num_lin + lin @ vals[:, :, None], den_lin + lin.sum(-1, keepdim=True)
+    num = e @ vals[:, :, None] + f * num_lin
+    den = e.sum(-1, keepdim=True) + f * den_lin
     return (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, T, HD), fk, vals
 
 
@@ -82,33 +86,82 @@ def window_forward(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int
     return out, S, z, kept
 
 
-def window_decode(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
-                  sinks: int, scale: float, eps: float, S, z, kept):
-    """window_forward for one new token of each of B sequences at once, each at its own position:
-    kept = (keys (B, L, Hkv*D), values (B, L, Hkv*D), positions (B, L), seen (B,)), the B
-    sequences' states stacked (one L for all: min(seen, sinks + window - 1), so rows of one L fold
-    as many tokens into S and z, none or one). q (B, 1, H*D), k and v (B, 1, Hkv*D). Returns
-    (out (B, 1, H*D) fp32, S, z, kept) in the same stacked form. Equal to window_forward row by
-    row (tested)."""
-    B, Hkv, D = q.shape[0], n_kv_heads, head_dim
+def ring_size(window: int, sinks: int) -> int:
+    """Slots of the ring form of the kept tokens: the sinks, then the last window - 1 tokens."""
+    return sinks + max(window - 1, 0)
+
+
+def ring_index(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """The slot of a kept token at `pos` in the ring form: a sink at its own position, any other
+    token at sinks + (pos - sinks) mod (window - 1), so that a new token takes the slot of the
+    one that leaves the window as it arrives (the one window - 1 tokens before it)."""
+    if window <= 1:   # no token but the sinks is ever kept
+        return pos
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks).remainder(window - 1))
+
+
+def to_ring(kept, window: int, sinks: int):
+    """Kept tokens as window_forward leaves them (keys, values (B, L, C), positions (L,), seen ())
+    -> the ring form: keys, values (B, ring_size, C), positions (B, ring_size) (-1: empty slot),
+    seen (B,)."""
     kk, vv, kpos, seen = kept
-    apos = torch.cat([kpos, seen[:, None]], 1)                         # (B, L + 1)
-    exact = (seen[:, None] - apos < window) | (apos < sinks)           # the token itself is exact
-    ex = exact[:, None, None, None, :]                                 # every earlier key is causal
-    out, fk, vals = _attend(q, k, v, kk, vv, mix, ex, ~ex, Hkv, D, scale, eps, S, z)
-    # as window_forward: the tokens no later query sees exactly move into S and z
-    end = seen + 1
-    fold = (apos >= sinks) & (apos <= end[:, None] - window)
-    fidx = fold.nonzero()[:, 1].view(B, -1)                            # row-major: per row, in order
-    kidx = (~fold).nonzero()[:, 1].view(B, -1)
-    fk_f = fk.gather(2, fidx[:, None, :, None].expand(B, Hkv, -1, D))
-    v_f = vals.gather(2, fidx[:, None, :, None].expand(B, Hkv, -1, D))
+    B, _, C = kk.shape
+    n = ring_size(window, sinks)
+    idx = ring_index(kpos, window, sinks)
+    rk = kk.new_zeros(B, n, C).index_copy(1, idx, kk)
+    rv = vv.new_zeros(B, n, C).index_copy(1, idx, vv)
+    rp = kpos.new_full((B, n), -1).index_copy(1, idx, kpos.expand(B, -1))
+    return rk, rv, rp, seen.expand(B).clone()
+
+
+def from_ring(ring):
+    """The ring form of one sequence -> window_forward's kept tokens, in the order of positions."""
+    rk, rv, rp, seen = ring
+    pos, order = rp[0].sort()
+    order = order[pos >= 0]
+    return rk[:, order], rv[:, order], rp[0, order], seen[0]
+
+
+def ring_decode(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,
+                sinks: int, scale: float, eps: float, S, z, ring):
+    """window_forward for one new token of each of B sequences at once, each at its own position,
+    from their states in the ring form (to_ring; stacked along B). Every kept token is exact for
+    the new one (the sinks and the last window - 1 tokens), so the only linear part is S and z;
+    the token leaving the window (in the slot the new one takes) then moves into S and z. Shapes
+    do not depend on the positions, and nothing is read back to the host. q (B, 1, H*D), k and v
+    (B, 1, Hkv*D). Returns (out (B, 1, H*D) fp32, S, z, ring). Equal to window_forward row by row
+    (tested)."""
+    B, Hkv, D = q.shape[0], n_kv_heads, head_dim
+    rk, rv, rp, seen = ring
+    valid = torch.cat([rp >= 0, torch.ones_like(rp[:, :1], dtype=torch.bool)], 1)   # (B, L + 1)
+    out, fk, vals = _attend(q, k, v, rk, rv, mix, valid[:, None, None, None, :], None, Hkv, D,
+                            scale, eps, S, z)
+    n = rk.shape[1]
+    if window > 1:   # the new token takes the slot of the one leaving the window, which folds
+        slot = ring_index(seen, window, sinks)                                     # (B,)
+        fold = rp.gather(1, slot[:, None]) >= 0                                     # (B, 1)
+        at = slot[:, None, None, None].expand(B, Hkv, 1, D)
+        fk_f, v_f = fk.gather(2, at), vals.gather(2, at)
+        stay = None
+    else:            # window 1: the new token itself folds unless it is a sink
+        slot = seen.clamp(max=max(n - 1, 0))
+        fold = (seen >= sinks)[:, None]
+        fk_f, v_f = fk[:, :, -1:], vals[:, :, -1:]
+        stay = seen < sinks
+    fk_f = fk_f * fold[:, :, None, None]
     S = S + fk_f.transpose(-1, -2) @ v_f
     z = z + fk_f.sum(-2)
-    allk, allv = torch.cat([kk, k.to(kk.dtype)], 1), torch.cat([vv, v.to(vv.dtype)], 1)
-    C = allk.shape[-1]
-    take = kidx[..., None].expand(B, -1, C)
-    return out, S, z, (allk.gather(1, take), allv.gather(1, take), apos.gather(1, kidx), end)
+    if n:
+        C = rk.shape[-1]
+        at, sp = slot[:, None, None].expand(B, 1, C), slot[:, None]
+        nk, nv, npos = k.to(rk.dtype), v.to(rv.dtype), seen[:, None]
+        if stay is not None:   # window 1: only a sink is written
+            keep = stay[:, None]
+            nk = torch.where(keep[..., None], nk, rk.gather(1, at))
+            nv = torch.where(keep[..., None], nv, rv.gather(1, at))
+            npos = torch.where(keep, npos, rp.gather(1, sp))
+        rk, rv, rp = rk.scatter(1, at, nk), rv.scatter(1, at, nv), rp.scatter(1, sp, npos)
+    return out, S, z, (rk, rv, rp, seen + 1)
 
 
 def window_whole(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, window: int,

@@ -123,31 +123,38 @@ def test_a_long_step_from_a_state_goes_in_pieces_and_matches_the_whole_sequence(
     torch.testing.assert_close(torch.cat([first, rest], 1), whole, rtol=1e-5, atol=1e-5)
 
 
-# window 6, sinks 2: 7 kept tokens from 7 seen on; (7, 8): one row's first fold beside a later one
-@pytest.mark.parametrize("lengths", [(30, 45, 60), (4, 4), (7, 8)], ids=["steady", "filling", "first-fold"])
-def test_decode_rows_stacked_match_each_row_alone(lengths):
-    """One token of several sequences, each at its own position, from their stacked states
-    (window_decode through sla_forward) = each sequence's step alone (window_forward)."""
+# window 6, sinks 2: 7 kept tokens from 7 seen on; (1, 3, 8): rows filling the sinks and the ring
+# beside one whose first token leaves the window; window 1: only sinks are kept; no sinks
+@pytest.mark.parametrize("lengths,window,sinks", [((30, 45, 60), 6, 2), ((1, 3, 8, 7), 6, 2),
+                                                  ((1, 2, 9), 1, 2), ((1, 5, 6, 20), 6, 0)],
+                         ids=["steady", "filling", "window-1", "no-sinks"])
+def test_decode_rows_in_the_ring_form_match_each_row_alone(lengths, window, sinks):
+    """One token of several sequences, each at its own position, from their states in the ring
+    form stacked (ring_decode through sla_forward) = each sequence's step alone (window_forward),
+    and the states after it are the ring forms of the states each step alone leaves."""
     from llmaccel.ops.sla import sla_forward
-    q, k, v, w, mix, kw = _inputs(len(lengths), 61, 4, 2, 8, 3, 6, 2)
+    from llmaccel.ops.sla_window import from_ring, to_ring
+    q, k, v, w, mix, kw = _inputs(len(lengths), 61, 4, 2, 8, 3, window, sinks)
     kw = {key: val for key, val in kw.items() if key != "layer"}
-    states, alone = [], []
+    rings, alone = [], []
     for b, n in enumerate(lengths):
         _, st = sla_forward(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], w, mix=mix, **kw)
-        states.append(st)
+        ring = to_ring(st[3:], window, sinks)
+        back = from_ring(ring)   # the ring form holds the same kept tokens
+        assert torch.equal(back[2], st[5]) and torch.equal(back[0], st[3]) and int(back[3]) == n
+        rings.append((*st[:3], *ring))
         alone.append(sla_forward(q[b:b + 1, n:n + 1], k[b:b + 1, n:n + 1], v[b:b + 1, n:n + 1], w,
                                  mix=mix, state=st, **kw))
-    stacked = tuple(torch.cat([s[j] for s in states]) for j in range(5)) + (
-        torch.stack([s[5] for s in states]), torch.stack([s[6] for s in states]))
+    stacked = tuple(torch.cat([r[j] for r in rings]) for j in range(7))
     rows = torch.tensor(lengths)
     pick = (lambda x: x[torch.arange(len(lengths)), rows][:, None])
-    assert len({s[3].shape[1] for s in states}) == 1   # as many kept tokens: the engine stacks them
     out, new = sla_forward(pick(q), pick(k), pick(v), w, mix=mix, state=stacked, **kw)
     for b, (o, st) in enumerate(alone):
         torch.testing.assert_close(out[b:b + 1], o, rtol=1e-5, atol=1e-5)
+        want = (*st[:3], *to_ring(st[3:], window, sinks))
         for j in range(5):
-            torch.testing.assert_close(new[j][b:b + 1], st[j], rtol=1e-5, atol=1e-5)
-        assert torch.equal(new[5][b], st[5]) and int(new[6][b]) == int(st[6])
+            torch.testing.assert_close(new[j][b:b + 1], want[j], rtol=1e-5, atol=1e-5)
+        assert torch.equal(new[5][b:b + 1], want[5]) and int(new[6][b]) == int(want[6][0]) == lengths[b] + 1
 
 
 def test_window_needs_its_mix_weight():

@@ -9,7 +9,7 @@ import torch
 from llmaccel import LLM, SamplingParams
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sla_states import SlaContext, SlaStates
+from llmaccel.runtime.sla_states import SlaStates
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 LENGTHS = (5, 40, 70, 1, 33)  # with a window of 8 and 2 sinks: tokens fold into the state often
@@ -31,12 +31,12 @@ def case(request):
 def test_greedy_matches_reference_executor(case, kw, monkeypatch):
     m, prompts, ref = case
     stacked = []  # decode rows stepped together: how many at once
-    step = SlaContext._step_together
+    gather = SlaStates.gather
 
-    def counted(self, layer, rows, *a):
+    def counted(self, layer, rows):
         stacked.append(len(rows))
-        return step(self, layer, rows, *a)
-    monkeypatch.setattr(SlaContext, "_step_together", counted)
+        return gather(self, layer, rows)
+    monkeypatch.setattr(SlaStates, "gather", counted)
     llm = LLM(m, **kw)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ref
@@ -53,18 +53,27 @@ def test_speculative_decoding_is_refused(case):
 
 
 def test_a_step_run_again_starts_from_its_state():
+    """Two buffers per slot: a step reads the one holding its start and writes the other, so a
+    step run again finds its start; the next step overwrites the older one."""
     s = SlaStates()
-    a, b, c = (torch.zeros(1),), (torch.ones(1),), (torch.full((1,), 2.0),)
-    assert s.get(0, 3, 0) is None          # position 0: the empty state, whatever the slot held
-    s.put(0, 3, 0, 5, a)
-    s.put(0, 3, 5, 9, b)
-    assert s.get(0, 3, 5) is a and s.get(0, 3, 9) is b
-    s.put(0, 3, 5, 9, c)                   # the step from 5 ran again: its new result replaces b
-    assert s.get(0, 3, 5) is a and s.get(0, 3, 9) is c
-    s.put(0, 3, 9, 10, b)                  # the next step: the state before 5 is dropped
+    state = lambda x: (torch.full((1, 2), float(x)),)   # noqa: E731  one state part, one row
+    assert s.route(3, 0, 0) == (None, 0)          # position 0: the empty state, into buffer 0
+    s.write(3, torch.tensor([0]), state(5), 0)
+    s.commit(3, 0, 5)
+    src, dst = s.route(3, 0, 5)
+    assert (src, dst) == (0, 1)
+    s.write(3, torch.tensor([dst]), state(9), dst)
+    s.commit(3, dst, 9)
+    assert s.route(3, 0, 5) == (0, 1)             # the step from 5 again: its start is still there
+    assert s.route(3, 0, 9) == (1, 0)             # the next step overwrites the state after 5
+    s.commit(3, 0, 10)
     with pytest.raises(LlmaccelError, match="after 5 tokens"):
-        s.get(0, 3, 5)
-    s.put(0, 3, 0, 4, c)                   # the slot reused by a new sequence
-    assert s.get(0, 3, 4) is c and s.get(1, 3, 0) is None
+        s.route(3, 0, 5)
+    assert torch.equal(s.gather(3, torch.tensor([1]))[0], state(9)[0])
+    s.write(3, torch.tensor([5]), state(1), 5)    # slot 2: the tensors grow, slot 0 kept
+    assert s.store[3][0].shape[0] >= 6 and torch.equal(s.gather(3, torch.tensor([1]))[0], state(9)[0])
+    assert s.route(3, 0, 0) == (None, 0)          # the slot reused by a new sequence
+    with pytest.raises(LlmaccelError, match="after 10 tokens"):
+        s.route(3, 0, 10)
     with pytest.raises(RuntimeError):
         s.copy_blocks([(0, 1)])
