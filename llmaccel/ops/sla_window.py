@@ -36,8 +36,7 @@ def split_keys(qpos: torch.Tensor, kpos: torch.Tensor, window: int, sinks: int):
 
 def _attend(q, k, v, kk, vv, mix, exact, mid, Hkv: int, D: int, scale: float, eps: float, S, z):
     """The windowed attention of q over the kept keys and values then k, v (one normalizer for the
-    exact and the linear part); exact and mid are key masks broadcastable to (B, Hkv, G, T, L + T)
-    (mid None: no key of the call is in the linear part, only S and z are).
+    exact and the linear part); exact and mid are key masks broadcastable to (B, Hkv, G, T, L + T).
     Returns (out (B, T, H*D) fp32, phi of the keys and the values (B, Hkv, L + T, D), fp32)."""
     B, T, HD = q.shape
     G = HD // (Hkv * D)
@@ -49,13 +48,10 @@ def _attend(q, k, v, kk, vv, mix, exact, mid, Hkv: int, D: int, scale: float, ep
     m = sc.amax(-1, keepdim=True)
     e = torch.exp(sc - m)
     fq, fk = torch.relu(qh), torch.relu(keys)
+    lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
     f = torch.exp(mix.float().view(Hkv, G, 1, 1) - m)                  # (B, Hkv, G, T, 1)
-    num_lin, den_lin = fq @ S[:, :, None], fq @ z[:, :, None, :, None]
-    if mid is not None:   # keys of this call in the linear part (a decode step has none)
-        lin = (fq @ fk[:, :, None].transpose(-1, -2)).masked_fill(~mid, 0.0)
-        num_lin, den_lin = num_lin + lin @ vals[:, :, None], den_lin + lin.sum(-1, keepdim=True)
-    num = e @ vals[:, :, None] + f * num_lin
-    den = e.sum(-1, keepdim=True) + f * den_lin
+    num = e @ vals[:, :, None] + f * (lin @ vals[:, :, None] + fq @ S[:, :, None])
+    den = e.sum(-1, keepdim=True) + f * (lin.sum(-1, keepdim=True) + fq @ z[:, :, None, :, None])
     return (num / (den + eps)).permute(0, 3, 1, 2, 4).reshape(B, T, HD), fk, vals
 
 
@@ -133,10 +129,22 @@ def ring_decode(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, w
     (tested)."""
     B, Hkv, D = q.shape[0], n_kv_heads, head_dim
     rk, rv, rp, seen = ring
-    valid = torch.cat([rp >= 0, torch.ones_like(rp[:, :1], dtype=torch.bool)], 1)   # (B, L + 1)
-    out, fk, vals = _attend(q, k, v, rk, rv, mix, valid[:, None, None, None, :], None, Hkv, D,
-                            scale, eps, S, z)
     n = rk.shape[1]
+    G = q.shape[-1] // (Hkv * D)
+    # _attend for one query per row, written with the group as the matmuls' rows (batch dims B
+    # and Hkv): no broadcast copies, a third of the ops (the decode step is launch-bound on a GPU)
+    valid = torch.cat([rp >= 0, torch.ones_like(rp[:, :1], dtype=torch.bool)], 1)   # (B, L + 1)
+    keys = torch.cat([rk.to(k.dtype), k], 1).float().view(B, n + 1, Hkv, D).transpose(1, 2)
+    vals = torch.cat([rv.to(v.dtype), v], 1).float().view(B, n + 1, Hkv, D).transpose(1, 2)
+    qh = q.float().view(B, Hkv, G, D)
+    sc = (qh @ keys.transpose(-1, -2)).mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    m = sc.amax(-1, keepdim=True)                                                  # (B, Hkv, G, 1)
+    e = torch.exp(sc - m)
+    fq, fk = torch.relu(qh), torch.relu(keys)
+    f = torch.exp(mix.float().view(Hkv, G, 1) - m)
+    num = e @ vals + f * (fq @ S)
+    den = e.sum(-1, keepdim=True) + f * (fq @ z[..., None])
+    out = (num / (den + eps)).reshape(B, 1, -1)
     if window > 1:   # the new token takes the slot of the one leaving the window, which folds
         slot = ring_index(seen, window, sinks)                                     # (B,)
         fold = rp.gather(1, slot[:, None]) >= 0                                     # (B, 1)
