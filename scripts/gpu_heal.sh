@@ -45,7 +45,10 @@ passes_of() {  # job -> pass list and options
     # the sparsity held through the heal (a fixed shift of 0.25 gave 74.9% -> 69.5%, drelu 88.6% -> 82.4%)
     relu) echo "relu --set relu.kind=relu --set relu.sparsity=0.72 --set relu.fit=true" ;;
     drelu) echo "relu --set relu.kind=drelu --set relu.sparsity=0.86 --set relu.fit=true" ;;
-    repbn) echo "repbn --set repbn.fit=true" ;;
+    # the fit in float32: on an H100 the fit on mixed windows of a bfloat16 model diverged (mean
+    # NLL over 709 nats a token) where float32 gave KL 5.65 (2026-12-06; docs/quality.md); the
+    # heal still trains under bf16 autocast
+    repbn) echo "repbn --set repbn.fit=true --dtype float32" ;;
     # exact attention over the last 64 tokens and the first 4: unhealed KL 0.35 / 0.34 / 0.27 on
     # wikitext2 / code / docs against SLAB's 1.67 / 2.91 / 2.50 (CPU, 2026-12-06; docs/quality.md)
     sla) echo "sla --set sla.fit=true --set sla.window=64 --set sla.sinks=4" ;;
