@@ -60,7 +60,8 @@ class ReluConfig(FitOptions):
     # target mean sparsity (fraction of zero activations on the calibration tokens): the shift
     # is solved for it and held through a later heal (module docstring); 0 = `shift` as given
     sparsity: float = 0.0
-    # fraction of the heal over which the held sparsity rises from shift 0's to `sparsity`
+    # fraction of the heal over which the held sparsity rises from shift 0's to `sparsity`; off:
+    # 0.5 ended worse than holding the target from the start (H100, docs/quality.md)
     ramp: float = 0.0
     bias_correct: bool = True   # fold the activation's mean change into a down bias
     sparse_op: bool = True      # down-projection -> sparse_down (False: keep a plain linear)
