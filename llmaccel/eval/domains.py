@@ -39,7 +39,6 @@ def ppl_of(mean_nll: float) -> float:
         return math.inf
 
 
-
 def domain_tokens(encode: Callable[[str], list[int]], max_tokens: int, names=None) -> dict[str, torch.Tensor]:
     """{domain: the first max_tokens token ids of its evaluation text}, by `encode` (text_encoder)."""
     names = list(DOMAINS) if names is None else list(names)

@@ -33,7 +33,6 @@ def window_logits(model, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
-
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progress: bool = True,
              chunk: int | None = None, batch: int = 4) -> dict:

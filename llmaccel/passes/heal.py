@@ -35,13 +35,13 @@ import torch.nn.functional as F
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
+from llmaccel.eval.domains import ppl_of
 from llmaccel.passes import registry
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.passes.heal_config import HealConfig
 from llmaccel.passes.heal_data import PROMPT_TOKENS, DomainEval, WindowPool, resolve_prompts, sample_source
 from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype)
-from llmaccel.eval.domains import ppl_of
 from llmaccel.ir import is_op, positions, weight_of
 
 _MAX_CURVE_POINTS = 100  # the report keeps at most this many loss values (bucket means)

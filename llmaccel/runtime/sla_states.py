@@ -84,6 +84,10 @@ class SlaContext:
                  logits_indices: torch.Tensor):
         self.states, self.spans, self.logits_indices = states, spans, logits_indices
         self._dev: dict[tuple[int, ...], torch.Tensor] = {}   # rows -> on the device, once a step
+        self.n_dec = 0   # the leading spans of one token from a state, the same in every layer
+        while self.n_dec < len(spans) and spans[self.n_dec][1] > 0 and \
+                spans[self.n_dec][3] - spans[self.n_dec][2] == 1:
+            self.n_dec += 1
 
     def _rows(self, rows: list[int], device) -> torch.Tensor:
         key = tuple(rows)
@@ -92,11 +96,7 @@ class SlaContext:
         return self._dev[key]
 
     def linear_attend(self, layer, q, k, v, conv_weight, **kw):
-        st, window, sinks = self.states, kw.get("window", 0), kw.get("sinks", 0)
-        n_dec = 0
-        while n_dec < len(self.spans) and self.spans[n_dec][1] > 0 and \
-                self.spans[n_dec][3] - self.spans[n_dec][2] == 1:
-            n_dec += 1
+        st, window, sinks, n_dec = self.states, kw.get("window", 0), kw.get("sinks", 0), self.n_dec
         outs = []
         if n_dec:   # rows 0 .. n_dec - 1: one token each from a state
             routes = [st.route(layer, slot, start) for slot, start, _, _ in self.spans[:n_dec]]
