@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla_window import (empty_kept, ring_decode, window_forward, window_state,
+from llmaccel.ops.sla_window import (empty_kept, ring_decode, to_ring, window_forward, window_state,
                                      window_state_bytes, window_whole)
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
@@ -35,7 +35,7 @@ CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), 
 # SmolLM2: 2.4 GB of fp32 scores per tensor), where at most window + sinks keys are exact
 STEP_CHUNK = 512
 
-__all__ = ["linear_attention", "sla_forward", "LinearAttentionCache", "state_bytes"]
+__all__ = ["linear_attention", "sla_forward", "empty_state", "LinearAttentionCache", "state_bytes"]
 
 
 def _init_state(B: int, Hkv: int, D: int, C: int, K: int, device, dtype):
@@ -43,6 +43,17 @@ def _init_state(B: int, Hkv: int, D: int, C: int, K: int, device, dtype):
     z = torch.zeros(B, Hkv, D, device=device, dtype=torch.float32)
     tail = torch.zeros(B, K - 1, C, device=device, dtype=dtype)
     return S, z, tail
+
+
+def empty_state(B: int, *, n_kv_heads: int, head_dim: int, kernel_size: int, window: int = 0,
+                sinks: int = 0, dtype, device, **_) -> tuple[torch.Tensor, ...]:
+    """The state of B sequences that have seen no token, with a window's kept tokens in the ring
+    form (ops/sla_window.to_ring): the shapes and dtypes a step from states of B rows returns."""
+    Hkv, D = n_kv_heads, head_dim
+    state = _init_state(B, Hkv, D, Hkv * D, kernel_size, device, dtype)
+    if window:
+        state = (*state, *to_ring(empty_kept(B, Hkv * D, device, dtype), window, sinks))
+    return state
 
 
 def _la_chunks(q, k, v, S, z, eps: float, chunk: int = CHUNK):

@@ -114,10 +114,11 @@ class _Buffers:
                                   ("top_lp", self.top_lp)) if t is not None}
 
 
-def _forward(gm, cache: PagedKVCache, buf: _Buffers) -> torch.Tensor:
-    """Logits (B, V) of the buffers' tokens at their positions."""
+def _forward(gm, context, buf: _Buffers) -> torch.Tensor:
+    """Logits (B, V) of the buffers' tokens at their positions; context(pos, tables): the step's
+    attention context."""
     B = buf.ids.shape[0]
-    ctx = DecodeContext(cache, buf.pos, buf.tables)
+    ctx = context(buf.pos, buf.tables)
     return gm(buf.ids.view(1, B), buf.pos.view(1, B), ctx)[0]
 
 
@@ -170,15 +171,19 @@ class DecodeRunner:
     block of the padding rows.
 
     capture: CUDA graphs (CUDA only); compile: Inductor on the sub-step first (None: on CUDA).
+    context(cache, pos, tables): a sub-step's attention context (DecodeContext; an sla graph's
+    states take SlaDecodeContext, with their scratch entry as `scratch`).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, cache: PagedKVCache, *, max_seqs: int,
-                 max_blocks: int, max_len: int, capture: bool, compile: bool | None = None):
+                 max_blocks: int, max_len: int, capture: bool, compile: bool | None = None,
+                 context=DecodeContext, scratch: int | None = None):
         self.ir, self.cache, self.capture = gm, cache, capture
+        self.context = functools.partial(context, cache)
         self.max_len, self.max_blocks = max_len, max_blocks
         self.buckets = batch_buckets(max_seqs)
-        self.scratch = cache.num_blocks - 1
-        self.device = next(iter(cache.k.values())).device
+        self.scratch = cache.num_blocks - 1 if scratch is None else scratch
+        self.device = cache.device if hasattr(cache, "device") else next(iter(cache.k.values())).device
         cuda = self.device.type == "cuda"
         self.compile = cuda if compile is None else compile
         # one row on CUDA: the fused Triton GEMVs, when their kernel module loads
@@ -234,7 +239,7 @@ class DecodeRunner:
                 gm, _ = lower(self.ir, max_len=self.max_len, select="all", linear=kind)
                 fuse_rope(gm)  # RoPE into the paged decode attention
                 self.lowered[kind] = gm
-            fwd = functools.partial(_forward, self.lowered[kind], self.cache)
+            fwd = functools.partial(_forward, self.lowered[kind], self.context)
             if compiled:
                 fwd = _recompiles_allowed(torch.compile(fwd, fullgraph=True))
             self.fns[(kind, compiled)] = fwd
@@ -259,12 +264,20 @@ class DecodeRunner:
         if self.capture:
             try:
                 hit = (cuda_graph(lambda: fn(buf), self.pool, self.device, reset=buf.i.zero_), buf, fn)
-            except Exception as e:  # noqa: BLE001 - compile or capture: this shape runs eagerly
+            except Exception as e:  # noqa: BLE001 - compile or capture: uncompiled, then eager
                 self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                warnings.warn(f"decode steps of {B} rows ({mode}) run eagerly: compiling or "
-                              f"capturing them failed ({self.failures[key]})")
                 buf.i.zero_()
-                hit = (None, buf, self._fn(B, mode, compiled=False))
+                fn = self._fn(B, mode, compiled=False)
+                hit = (None, buf, fn)
+                how = "run eagerly"
+                if self.compile:  # the uncompiled sub-step still saves the launches if captured
+                    try:
+                        hit = (cuda_graph(lambda: fn(buf), self.pool, self.device, reset=buf.i.zero_), buf, fn)
+                        how = "run uncompiled"
+                    except Exception:  # noqa: BLE001 - the first failure is the one reported
+                        buf.i.zero_()
+                warnings.warn(f"decode steps of {B} rows ({mode}) {how}: compiling or "
+                              f"capturing them failed ({self.failures[key]})")
         self.graphs[key] = hit
         self.capture_s += time.perf_counter() - t0
         return hit

@@ -22,14 +22,15 @@ class DecodeSteps:
             n = 1  # the scheduler made room for one token per row
             self._reserve(seqs, n)
         bm = self.bm
-        rows = [(s.block_table, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
-                 s.params.top_p, s.seed) for s in seqs]
+        rows = [(t, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
+                 s.params.top_p, s.seed) for s, t in zip(seqs, self._runner_tables(seqs, 0))]
         ps = [s.params for s in seqs]
         grp = self.runner.launch(rows, n, sample_mode(ps), logprobs_wanted(ps))
         if grp is None:
             for seq in seqs:
                 bm.trim(seq, seq.num_computed + 1)
             return False
+        self._launched(seqs, 0, n)
         self._resolve(seqs, grp)
         return True
 
@@ -81,13 +82,27 @@ class DecodeSteps:
         n = self._group_size(cont, k)
         if not self._reserve(cont, k + n):
             return None
-        go = {id(s) for s in cont}
-        nxt = self.runner.relaunch(grp, [s.block_table if id(s) in go else None for s in seqs], n)
+        tables = dict(zip(map(id, cont), self._runner_tables(cont, k)))
+        nxt = self.runner.relaunch(grp, [tables.get(id(s)) for s in seqs], n)
         if nxt is None:
             for s in cont:
                 bm.trim(s, s.num_computed + k)
             return None
+        self._launched(cont, k, n)
         return seqs, nxt
+
+    def _runner_tables(self, seqs: list[Sequence], ahead: int) -> list[list[int]]:
+        """Each row's table for the runner once `ahead` more tokens are computed: its block table,
+        or over sla states its slot's entry (SlaStates.decode_row)."""
+        if not self.sla:
+            return [s.block_table for s in seqs]
+        return [[self.cache.decode_row(s.block_table[0], s.num_computed + ahead)] for s in seqs]
+
+    def _launched(self, seqs: list[Sequence], ahead: int, n: int) -> None:
+        """n sub-steps launched for the rows from `ahead` tokens on: sla states record them."""
+        if self.sla:
+            for s in seqs:
+                self.cache.ran(s.block_table[0], s.num_computed + ahead, n)
 
     def _reserve(self, seqs: list[Sequence], ahead: int) -> bool:
         """Grow each row's block table to its position + `ahead` tokens (blocks that only this

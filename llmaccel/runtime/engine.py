@@ -23,7 +23,7 @@ from llmaccel.runtime.kivi_cache import KiviPagedCache, kivi_metrics, kivi_spec,
 from llmaccel.runtime.kv_cache import PagedKVCache
 from llmaccel.runtime.scheduler import Scheduler
 from llmaccel.runtime.sequence import RequestOutput, Sequence
-from llmaccel.runtime.sla_states import SlaStates
+from llmaccel.runtime.sla_states import SlaDecodeContext, SlaStates, sla_specs
 from llmaccel.runtime.speculative import ModelDraft, NgramDraft, draft_source
 from llmaccel.runtime.step_graphs import StepGraphs
 from llmaccel.runtime.warmup import warm_up
@@ -45,7 +45,7 @@ class LLM(DecodeSteps, EagerSteps):
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  compile: bool | None = None):
         """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py),
-        except over a KIVI cache or linear-attention states (sla: every step eager, sla_states.py).
+        except over a KIVI cache (linear-attention states too: sla_states.py).
         cuda_graphs: replay them as CUDA graphs (CUDA only);
         compile: Inductor on the decode sub-step first (None: on CUDA)."""
         counts = dict(block_size=block_size, max_num_seqs=max_num_seqs,
@@ -93,8 +93,11 @@ class LLM(DecodeSteps, EagerSteps):
         if self.sampler_fallback:
             warnings.warn(f"sampling runs in sorted torch ops: the sampling kernel failed its "
                           f"check ({self.sampler_fallback})")
-        if self.sla:  # one slot per sequence, one block of the longest sequence per slot
-            self.cache = SlaStates()
+        capture = on_cuda and cuda_graphs
+        if self.sla:  # one slot per sequence, one block of the longest sequence per slot; with CUDA
+            # graphs every slot's state is allocated at once (the graphs keep the tensors' addresses)
+            self.cache = SlaStates(sla_specs(self.model.gm), slots=max_num_seqs, max_len=self.cfg.max_position,
+                                   dtype=self.dtype, device=self.device, fixed=capture)
             self.bm = BlockManager(max_num_seqs, self.cfg.max_position, prefix_caching=False)
         elif self.kivi is not None:
             self.cache, self.bm = self._kivi_cache(layers, speculative, kv_cache_tokens, max_num_seqs,
@@ -106,15 +109,17 @@ class LLM(DecodeSteps, EagerSteps):
             # one block more: the decode runner's padding rows write there; never handed out
             self.cache = PagedKVCache(layers, num_blocks + 1, block_size, self.dtype, self.device)
             self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        sla_kw = dict(context=SlaDecodeContext, scratch=0) if self.sla else {}
         self.runner = DecodeRunner(
-            self.model.gm, self.cache, max_seqs=max_num_seqs, max_blocks=-(-self.cfg.max_position // block_size),
-            max_len=self.cfg.max_position, capture=on_cuda and cuda_graphs,
-            compile=compile) if self.kivi is None and not self.sla else None
+            self.model.gm, self.cache, max_seqs=max_num_seqs,
+            max_blocks=1 if self.sla else -(-self.cfg.max_position // block_size),
+            max_len=self.cfg.max_position, capture=capture, compile=compile,
+            **sla_kw) if self.kivi is None else None
         # a lone request's prefill step replayed as a CUDA graph (step_graphs.py): its time to the
         # first token is otherwise the eager step's host time
         self.steps = StepGraphs(self.gm, self.cache, scratch=self.cache.num_blocks - 1, capture=True,
                                 pool=self.runner.pool) \
-            if self.runner is not None and self.runner.capture and self.gm.selects_rows else None
+            if self.runner is not None and self.runner.capture and self.gm.selects_rows and not self.sla else None
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=self.cfg.max_position)

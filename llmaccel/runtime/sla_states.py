@@ -6,65 +6,123 @@ slot: its block manager has one block per slot, `max_position` tokens long, and 
 caching (a state sums its whole prefix, so no block of it can be shared), so the scheduler's
 admission, preemption and freeing work unchanged and block_table[0] is the slot. The states
 live in tensors of all slots, one per state part and layer, with the kept tokens of a window in
-a ring of fixed size (ops/sla_window.to_ring), so a decode step gathers its rows' states, runs
-one call for all of them (ring_decode: static shapes, no read back to the host) and writes them
-back; prefill chunks run one by one. Eagerly: no CUDA graph captures a step of these graphs yet.
+a ring of fixed size (ops/sla_window.to_ring), so every state has one shape.
 
-A slot keeps the state each layer started the step from beside the one after it (two buffers),
-so a step that runs again (it failed before its tokens counted) starts from the right one; a
-sequence at position 0 (new, or preempted and recomputed) starts from the empty state. A
-finished sequence's states stay until its slot is reused.
+A slot keeps the state each layer started the step from beside the one after it (two buffers,
+rows 2 * (slot + 1) and the next; rows 0 and 1 are the scratch pair that the decode runner's
+padding rows read and write), so a step that runs again (it failed before its tokens counted)
+starts from the right one; a sequence at position 0 (new, or preempted and recomputed) starts
+from the empty state. A finished sequence's states stay until its slot is reused.
+
+Decode steps run on the DecodeRunner (runtime/decode.py) as the paged cache's do: CUDA graphs of
+sub-steps, sampling inside, several sub-steps per host sync. Its block table of one entry holds
+the row pair and the parity that puts the state after `pos` tokens in buffer (pos + parity) % 2
+(decode_row), so every sub-step finds its rows on the device from its position alone
+(SlaDecodeContext: gather, one ring_decode for all rows, write back); the host records what the
+group leaves (ran). Eager steps (prefill chunks, mixed steps) go through SlaContext, one call for
+their decode rows and one per prompt chunk.
 """
 from __future__ import annotations
 
 import torch
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla import sla_forward
+from llmaccel.ops.sla import empty_state, linear_attention, sla_forward
 from llmaccel.ops.sla_window import from_ring, to_ring
 
 
-class SlaStates:
-    """Every slot's state for each layer, in two buffers per slot (the state a step starts from
-    and the one it leaves), as tensors of all slots (row 2 * slot + buffer; grown as slots come
-    into use); with a window the kept tokens are in the ring form (ops/sla_window.to_ring), so
-    every slot's state has one shape. The tokens each buffer covers are kept on the host."""
+def sla_specs(gm: torch.fx.GraphModule) -> dict[int, dict]:
+    """layer -> the keyword arguments of its linear_attention op (the state's shapes)."""
+    return {n.kwargs["layer"]: dict(n.kwargs) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is linear_attention}
 
-    def __init__(self):
-        self.store: dict[int, list[torch.Tensor]] = {}        # layer -> state tensors (2 * slots, ...)
+
+class SlaStates:
+    """Every slot's state for each layer of `specs` (sla_specs), in two buffers per slot (the
+    state a step starts from and the one it leaves), as tensors of all slots (row
+    2 * (slot + 1) + buffer, rows 0 and 1 the scratch pair). `fixed`: room for all `slots` at
+    once (CUDA graphs keep the tensors' addresses); otherwise grown as slots come into use. The
+    tokens each buffer covers are kept on the host."""
+
+    def __init__(self, specs: dict[int, dict], *, slots: int, max_len: int, dtype: torch.dtype,
+                 device, fixed: bool = False):
+        self.specs, self.slots, self.dtype, self.device = specs, slots, dtype, torch.device(device)
+        self.block_size = max_len                              # the block manager's: one block per slot
+        self.store: dict[int, list[torch.Tensor]] = {}        # layer -> state tensors (2 * (slots + 1), ...)
         self.covers: dict[int, dict[int, list[int]]] = {}     # layer -> slot -> tokens in buffer 0, 1
+        self.room = 0                                         # slots the tensors hold
+        # one empty row per layer: what a decode row at position 0 starts from (SlaDecodeContext)
+        self.blank = {layer: empty_state(1, dtype=dtype, device=self.device, **spec)
+                      for layer, spec in specs.items()}
+        if fixed:
+            self._grow(slots)
+
+    def _grow(self, n: int) -> None:
+        for layer, spec in self.specs.items():
+            old = self.store.get(layer, ())
+            new = list(empty_state(2 * (n + 1), dtype=self.dtype, device=self.device, **spec))
+            for o, t in zip(old, new):
+                t[:o.shape[0]] = o
+            self.store[layer] = new
+        self.room = n
+
+    def _reserve(self, slot: int) -> None:
+        if slot >= self.room:   # room for twice the slots in use, at most all of them
+            self._grow(min(self.slots, max(2 * self.room, slot + 1)))
 
     def route(self, layer: int, slot: int, start: int) -> tuple[int | None, int]:
         """(the row holding `slot`'s state after its first `start` tokens (None: the empty state),
         the row its state after this step goes to: the slot's other buffer)."""
+        if not 0 <= slot < self.slots:
+            raise LlmaccelError(f"slot {slot} is outside the {self.slots} slots of the sla states")
+        self._reserve(slot)
         cov = self.covers.setdefault(layer, {}).setdefault(slot, [-1, -1])
+        base = 2 * (slot + 1)
         if start == 0:   # a new sequence in the slot: what it held before is not its state
             cov[:] = [-1, -1]
-            return None, 2 * slot
+            return None, base
         for b in (0, 1):
             if cov[b] == start:
-                return 2 * slot + b, 2 * slot + 1 - b
+                return base + b, base + 1 - b
         raise LlmaccelError(f"layer {layer} has no recurrent state after {start} tokens in slot {slot}; "
                             f"a linear-attention (sla) state cannot be rebuilt from a later point")
 
     def commit(self, layer: int, row: int, tokens: int) -> None:
         """Row `row` now holds its slot's state after `tokens` tokens."""
-        self.covers[layer][row // 2][row % 2] = tokens
+        self.covers[layer][row // 2 - 1][row % 2] = tokens
+
+    def decode_row(self, slot: int, start: int) -> int:
+        """The decode runner's table entry for `slot` stepping on from `start` tokens: its row
+        pair plus the parity p such that the state after `pos` tokens is in buffer (pos + p) % 2."""
+        par = set()
+        for layer in self.specs:
+            src, dst = self.route(layer, slot, start)
+            par.add(((src if src is not None else dst + 1) + start) % 2)
+        if len(par) > 1:   # every layer steps with every other: never, unless a step broke off
+            raise LlmaccelError(f"the layers of slot {slot} hold their states in different buffers")
+        return 2 * (slot + 1) + par.pop()
+
+    def ran(self, slot: int, start: int, n: int) -> None:
+        """A group of n decode sub-steps from `start` launched for `slot` (decode_row's entry):
+        the state after start + n tokens is in one buffer, after start + n - 1 in the other."""
+        par = self.decode_row(slot, start) % 2
+        base = 2 * (slot + 1)
+        for layer in self.specs:
+            self.commit(layer, base + (start + n + par) % 2, start + n)
+            self.commit(layer, base + (start + n - 1 + par) % 2, start + n - 1)
 
     def gather(self, layer: int, rows: torch.Tensor) -> tuple:
         return tuple(t.index_select(0, rows) for t in self.store[layer])
 
-    def write(self, layer: int, rows: torch.Tensor, state: tuple, top: int) -> None:
-        """The states of `rows` (one per row of each tensor in `state`); `top`: the largest row."""
-        st = self.store.get(layer)
-        if st is None or st[0].shape[0] <= top:   # grow: room for twice the slots in use
-            n = 2 * (top // 2 + 1) * 2
-            new = [t.new_zeros((n, *t.shape[1:])) for t in state]
-            for old, t in zip(st or (), new):
-                t[:old.shape[0]] = old
-            self.store[layer] = st = new
-        for t, x in zip(st, state):
+    def write(self, layer: int, rows: torch.Tensor, state: tuple) -> None:
+        """The states of `rows` (one per row of each tensor in `state`)."""
+        for t, x in zip(self.store[layer], state):
             t.index_copy_(0, rows, x.to(t.dtype))
+
+    def fresh(self, layer: int, state: tuple, empty: torch.Tensor) -> tuple:
+        """`state` with the rows where `empty` (B,) holds replaced by the empty state."""
+        return tuple(torch.where(empty.view(-1, *[1] * (x.dim() - 1)), b, x)
+                     for x, b in zip(state, self.blank[layer]))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:  # only prefix caching copies blocks, and it is off for these graphs
@@ -74,7 +132,33 @@ class SlaStates:
         return sum(t.nbytes for st in self.store.values() for t in st)
 
 
-class SlaContext:
+class _LinearOnly:
+    def attend(self, layer, *args, **kw):
+        raise LlmaccelError(f"layer {layer} is softmax attention in a graph with linear attention; "
+                            f"LLM runs graphs whose attention layers are all sla")
+
+
+class SlaDecodeContext(_LinearOnly):
+    """The context of a decode sub-step on the DecodeRunner (runtime/decode.py): one token per
+    row at positions `pos` (B,), tables (B, 1) from SlaStates.decode_row (the scratch pair, 0,
+    for padding rows). A row at position 0 (a one-token prompt, a padding row) starts from the
+    empty state. Static shapes, nothing read back to the host: CUDA graphs capture it."""
+
+    def __init__(self, states: SlaStates, pos: torch.Tensor, tables: torch.Tensor):
+        self.states, self.pos, self.tables = states, pos, tables
+
+    def linear_attend(self, layer, q, k, v, conv_weight, **kw):
+        t = self.tables[:, 0].long()
+        par = (self.pos + t) % 2                        # the buffer holding the state after pos
+        base = t - t % 2
+        st = self.states
+        state = st.fresh(layer, st.gather(layer, base + par), self.pos == 0)
+        out, new = sla_forward(q[0, :, None], k[0, :, None], v[0, :, None], conv_weight, state=state, **kw)
+        st.write(layer, base + 1 - par, new)
+        return out.transpose(0, 1)
+
+
+class SlaContext(_LinearOnly):
     """The step's context for the graph's linear_attention ops (ops/sla.py: ctx.linear_attend)
     over a flattened batch: `spans` = (slot, start position, first row, end row) per sequence.
     The engine puts the decode rows (one token from a state) first: their states are gathered,
@@ -103,7 +187,7 @@ class SlaContext:
             src, dst = (self._rows([r[i] for r in routes], q.device) for i in (0, 1))
             out, new = sla_forward(q[0, :n_dec, None], k[0, :n_dec, None], v[0, :n_dec, None],
                                    conv_weight, state=st.gather(layer, src), **kw)
-            st.write(layer, dst, new, max(r[1] for r in routes))
+            st.write(layer, dst, new)
             for (_, start, _, _), (_, row) in zip(self.spans[:n_dec], routes):
                 st.commit(layer, row, start + 1)
             outs.append(out.transpose(0, 1))
@@ -117,14 +201,10 @@ class SlaContext:
             out, new = sla_forward(q[:, a:b], k[:, a:b], v[:, a:b], conv_weight, state=state, **kw)
             if window:
                 new = (*new[:3], *to_ring(new[3:], window, sinks))
-            st.write(layer, self._rows([dst], q.device), new, dst)
+            st.write(layer, self._rows([dst], q.device), new)
             st.commit(layer, dst, start + b - a)
             outs.append(out)
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
-
-    def attend(self, layer, *args, **kw):
-        raise LlmaccelError(f"layer {layer} is softmax attention in a graph with linear attention; "
-                            f"LLM runs graphs whose attention layers are all sla")
 
 
 def build_sla_step(states: SlaStates, items: list[tuple[list[int], int, list[int]]],

@@ -63,12 +63,13 @@ def warm_up(llm, context: int, progress: bool, modes: tuple[str, ...] | None = N
     shapes = [(llm.runner, k) for k in llm.runner.warm_keys(modes, context)] if capture else []
     if llm.steps is not None and llm.steps.capture:
         shapes += [(llm.steps, k) for k in llm.steps.warm_keys()]
-    eager = len(eager_warm_steps(context)) if capture else 0
+    paged = capture and not llm.sla   # the mixed steps below run on the paged cache's scratch block
+    eager = len(eager_warm_steps(context)) if paged else 0
     with tqdm(total=len(shapes) + eager, desc="warming up step shapes", unit="shape", file=sys.stderr,
               disable=not progress or not shapes) as bar:
         for runner, key in shapes:
             runner.graph(key)
             bar.update(1)
-        if capture:  # the eager steps' kernels too
+        if paged:  # the eager steps' kernels too
             warm_eager_steps(llm.gm, llm.cache, llm.cache.num_blocks - 1, context, bar)
     return {"shapes": len(shapes) + eager, "seconds": round(time.perf_counter() - t0, 3)}

@@ -40,8 +40,10 @@ def test_greedy_matches_reference_executor(case, kw, monkeypatch):
     llm = LLM(m, **kw)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ref
-    assert max(stacked) == kw.get("max_num_seqs", len(prompts))
+    # the decode runner's groups: every running row at once, padded to its batch bucket
+    assert max(stacked) == llm.runner.bucket(kw.get("max_num_seqs", len(prompts)), 1)[0]
     met = llm.metrics()
+    assert met["decode_steps"] > 0 and llm.runner.launches > 0
     assert met["kv_blocks_used"] == 0 and met["prefix_caching"] is False
     assert met["kv_blocks_total"] == kw.get("max_num_seqs", met["kv_blocks_total"])
     assert met["sla_state_bytes"] == llm.cache.nbytes() > 0
@@ -52,28 +54,65 @@ def test_speculative_decoding_is_refused(case):
         LLM(case[0], speculative="ngram")
 
 
+def _states(slots=4, fixed=False):
+    """SlaStates of one layer whose state is one part of 2 values a row (S of one KV head of one
+    dimension and z), no window."""
+    spec = dict(layer=3, n_heads=1, n_kv_heads=1, head_dim=1, kernel_size=1, eps=1e-6)
+    return SlaStates({3: spec}, slots=slots, max_len=64, dtype=torch.float32, device="cpu", fixed=fixed)
+
+
+def state(x):
+    return (torch.full((1, 1, 1, 1), float(x)), torch.full((1, 1, 1), float(x)), torch.zeros(1, 0, 1))
+
+
 def test_a_step_run_again_starts_from_its_state():
     """Two buffers per slot: a step reads the one holding its start and writes the other, so a
-    step run again finds its start; the next step overwrites the older one."""
-    s = SlaStates()
-    state = lambda x: (torch.full((1, 2), float(x)),)   # noqa: E731  one state part, one row
-    assert s.route(3, 0, 0) == (None, 0)          # position 0: the empty state, into buffer 0
-    s.write(3, torch.tensor([0]), state(5), 0)
-    s.commit(3, 0, 5)
+    step run again finds its start; the next step overwrites the older one. Slot s's buffers
+    are rows 2 (s + 1) and 2 (s + 1) + 1 (rows 0 and 1: the decode runner's scratch pair)."""
+    s = _states()
+    assert s.route(3, 0, 0) == (None, 2)          # position 0: the empty state, into buffer 0
+    s.write(3, torch.tensor([2]), state(5))
+    s.commit(3, 2, 5)
     src, dst = s.route(3, 0, 5)
-    assert (src, dst) == (0, 1)
-    s.write(3, torch.tensor([dst]), state(9), dst)
+    assert (src, dst) == (2, 3)
+    s.write(3, torch.tensor([dst]), state(9))
     s.commit(3, dst, 9)
-    assert s.route(3, 0, 5) == (0, 1)             # the step from 5 again: its start is still there
-    assert s.route(3, 0, 9) == (1, 0)             # the next step overwrites the state after 5
-    s.commit(3, 0, 10)
+    assert s.route(3, 0, 5) == (2, 3)             # the step from 5 again: its start is still there
+    assert s.route(3, 0, 9) == (3, 2)             # the next step overwrites the state after 5
+    s.commit(3, 2, 10)
     with pytest.raises(LlmaccelError, match="after 5 tokens"):
         s.route(3, 0, 5)
-    assert torch.equal(s.gather(3, torch.tensor([1]))[0], state(9)[0])
-    s.write(3, torch.tensor([5]), state(1), 5)    # slot 2: the tensors grow, slot 0 kept
-    assert s.store[3][0].shape[0] >= 6 and torch.equal(s.gather(3, torch.tensor([1]))[0], state(9)[0])
-    assert s.route(3, 0, 0) == (None, 0)          # the slot reused by a new sequence
+    assert torch.equal(s.gather(3, torch.tensor([3]))[0], state(9)[0])
+    assert s.route(3, 2, 0) == (None, 6)          # slot 2: the tensors grow, slot 0 kept
+    assert s.store[3][0].shape[0] >= 8 and torch.equal(s.gather(3, torch.tensor([3]))[0], state(9)[0])
+    assert s.route(3, 0, 0) == (None, 2)          # the slot reused by a new sequence
     with pytest.raises(LlmaccelError, match="after 10 tokens"):
         s.route(3, 0, 10)
+    with pytest.raises(LlmaccelError, match="outside the 4 slots"):
+        s.route(3, 4, 0)
     with pytest.raises(RuntimeError):
         s.copy_blocks([(0, 1)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_a_decode_group_leaves_its_last_two_states_routable(n):
+    """decode_row's parity puts the state after pos tokens in buffer (pos + parity) % 2, which is
+    where a runner's sub-steps read and write it; after ran(), the host finds the state after the
+    group and, for a group of one sub-step, the one before it (a group run again)."""
+    s = _states(fixed=True)
+    assert s.store[3][0].shape[0] == 2 * (4 + 1)   # every slot and the scratch pair, at once
+    s.route(3, 1, 0)
+    s.commit(3, 4, 7)                              # slot 1: the state after 7 tokens in buffer 0
+    entry = s.decode_row(1, 7)
+    base, par = entry - entry % 2, entry % 2
+    assert base == 4 and (7 + par) % 2 == 0
+    s.ran(1, 7, n)
+    last = base + (7 + n + par) % 2
+    assert s.route(3, 1, 7 + n)[0] == last
+    assert s.route(3, 1, 7 + n - 1)[0] == base + (7 + n - 1 + par) % 2
+    if n > 1:
+        with pytest.raises(LlmaccelError, match="after 7 tokens"):
+            s.route(3, 1, 7)
+    assert s.decode_row(1, 7 + n) == entry         # the next group: the same parity
+    s.ran(2, 0, 3)                                 # a one-token prompt decoded from position 0
+    assert s.route(3, 2, 3)[0] is not None
