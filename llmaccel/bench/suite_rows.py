@@ -118,9 +118,10 @@ def _spec(draft: str | None):
 
 
 def _sla_llm(o: Options, row: str) -> list[Job]:
-    """LLM over sla with a window of 64 and 4 sinks (a recurrent state per sequence, eager steps)
-    beside the source at the same shape and batch: decode from a constant state against attention
-    over the KV cache (speed only: preset weights, the sla fit on the bench's own text)."""
+    """LLM over sla with a window of 64 and 4 sinks (a recurrent state per sequence, decode steps
+    on the decode runner) beside the source at the same shape and batch: decode from a constant
+    state against attention over the KV cache (speed only: preset weights, the sla fit on the
+    bench's own text)."""
     sla = ["--passes", "sla,fuse", "--set", "sla.window=64", "--set", "sla.sinks=4", "--no-profile"]
     return [_bench(o, row, "llmc_smollm2-135m_bs8", "smollm2-135m", 8, 200, "--no-profile"),
             _bench(o, row, "llmc_smollm2-135m-sla-w64_bs8", "smollm2-135m", 8, 240, *sla)]
