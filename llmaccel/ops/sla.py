@@ -26,8 +26,8 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla_window import (empty_kept, ring_decode, to_ring, window_forward, window_state,
-                                     window_state_bytes, window_whole)
+from llmaccel.ops.sla_window import (empty_kept, ring_decode, ring_state, to_ring, window_forward,
+                                     window_state, window_state_bytes, window_whole)
 
 CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), not O(T^2))
 # tokens per window_forward call from a state: a prefill chunk of thousands of tokens (the engine's
@@ -35,7 +35,7 @@ CHUNK = 64  # tokens per chunk of the whole-sequence form (memory O(T * CHUNK), 
 # SmolLM2: 2.4 GB of fp32 scores per tensor), where at most window + sinks keys are exact
 STEP_CHUNK = 512
 
-__all__ = ["linear_attention", "sla_forward", "empty_state", "LinearAttentionCache", "state_bytes"]
+__all__ = ["linear_attention", "sla_forward", "prompts_forward", "empty_state", "LinearAttentionCache", "state_bytes"]
 
 
 def _init_state(B: int, Hkv: int, D: int, C: int, K: int, device, dtype):
@@ -167,6 +167,27 @@ def sla_forward(q, k, v, conv_weight, *, n_heads: int, n_kv_heads: int, head_dim
         conv = _expand_v(_dwconv(v.float(), w, tail.float()), Hkv, G, D)
     new_tail = vt[:, vt.shape[1] - (K - 1):]
     return (o + conv).to(q.dtype), (S, z, new_tail, *kept)
+
+
+def prompts_forward(q, k, v, lens: torch.Tensor, conv_weight, *, kernel_size: int, window: int = 0,
+                    sinks: int = 0, **kw):
+    """sla_forward from the empty state for B prompts right-padded with zeros to one length L,
+    lens (B,) their own lengths: the outputs (B, L, H*D; those past a row's length are padding's)
+    and each row's state after its own tokens (with a window, in the ring form). One call for
+    every prompt of a step (causal, so the padding changes no real token's output; zero keys add
+    nothing to S and z). Equal to sla_forward row by row (tested)."""
+    B, L, C = v.shape
+    out, state = sla_forward(q, k, v, conv_weight, kernel_size=kernel_size, window=window,
+                             sinks=sinks, with_state=not window, **kw)
+    S, z, ring = *state[:2], ()
+    if window:
+        S, z, ring = ring_state(k, v, lens, n_kv_heads=kw["n_kv_heads"], head_dim=kw["head_dim"],
+                                window=window, sinks=sinks)
+    # the last K-1 values of each row (zeros before its first token), as sla_forward's tail
+    vt = torch.nn.functional.pad(v, (0, 0, kernel_size - 1, 0))
+    at = lens[:, None] + torch.arange(kernel_size - 1, device=v.device)
+    tail = vt.gather(1, at[..., None].expand(B, kernel_size - 1, C))
+    return out, (S, z, tail, *ring)
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx,

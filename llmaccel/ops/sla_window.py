@@ -251,6 +251,29 @@ def window_state(k, v, *, n_kv_heads: int, head_dim: int, window: int, sinks: in
     return fk.transpose(-1, -2) @ vf, fk.sum(-2), kept
 
 
+def ring_state(k, v, lens: torch.Tensor, *, n_kv_heads: int, head_dim: int, window: int, sinks: int):
+    """window_state then to_ring for B prompts at once, right-padded to one length: row i's
+    (S, z, ring form) after its first lens[i] tokens of k, v (B, L, Hkv*D). Equal to window_state
+    and to_ring row by row (tested)."""
+    B, L, C = k.shape
+    Hkv, D = n_kv_heads, head_dim
+    pos = torch.arange(L, device=k.device)
+    T = lens[:, None]
+    valid = pos < T
+    fold = valid & (pos >= sinks) & (pos <= T - window)
+    fk = (torch.relu(k.float()) * fold[..., None]).view(B, L, Hkv, D).transpose(1, 2)
+    vf = v.float().view(B, L, Hkv, D).transpose(1, 2)
+    n = ring_size(window, sinks)
+    keep = valid & ~fold      # the sinks and the last window - 1 tokens: distinct ring slots
+    slot = torch.where(keep, ring_index(pos, window, sinks), n)   # slot n: spare, cut off below
+    at = slot[..., None].expand(B, L, C)
+    rk = v.new_zeros(B, n + 1, C).scatter(1, at, k.to(v.dtype))
+    rv = v.new_zeros(B, n + 1, C).scatter(1, at, v)
+    rp = torch.full((B, n + 1), -1, dtype=torch.long, device=k.device).scatter(
+        1, slot, torch.where(keep, pos, -1))
+    return fk.transpose(-1, -2) @ vf, fk.sum(-2), (rk[:, :n], rv[:, :n], rp[:, :n], lens.clone())
+
+
 def empty_kept(B: int, C: int, device, dtype):
     """The kept keys and values of a sequence that has seen no token."""
     none = torch.zeros(B, 0, C, device=device, dtype=dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.sla import empty_state, linear_attention, sla_forward
+from llmaccel.ops.sla import empty_state, linear_attention, prompts_forward, sla_forward
 from llmaccel.ops.sla_window import from_ring, to_ring
 
 
@@ -158,11 +158,27 @@ class SlaDecodeContext(_LinearOnly):
         return out.transpose(0, 1)
 
 
+def prompt_groups(lens: dict[int, int]) -> list[list[int]]:
+    """Spans of new prompts (span -> length) in groups that one padded call runs: longest first,
+    a group taking the next prompt while its padding stays within its tokens (padded to the
+    longest, the call computes at most twice the group's tokens)."""
+    groups, order = [], sorted(lens, key=lambda i: -lens[i])
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lens[g[0]] <= 2 * (sum(lens[j] for j in g) + lens[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class SlaContext(_LinearOnly):
     """The step's context for the graph's linear_attention ops (ops/sla.py: ctx.linear_attend)
     over a flattened batch: `spans` = (slot, start position, first row, end row) per sequence.
     The engine puts the decode rows (one token from a state) first: their states are gathered,
-    stepped in one call and written back; each prompt chunk runs alone."""
+    stepped in one call and written back; new prompts (from position 0) run in padded groups
+    (prompts_forward: one call each, prompt_groups), and a prompt chunk that continues a state
+    runs alone."""
 
     def __init__(self, states: SlaStates, spans: list[tuple[int, int, int, int]],
                  logits_indices: torch.Tensor):
@@ -172,6 +188,11 @@ class SlaContext(_LinearOnly):
         while self.n_dec < len(spans) and spans[self.n_dec][1] > 0 and \
                 spans[self.n_dec][3] - spans[self.n_dec][2] == 1:
             self.n_dec += 1
+        rest = range(self.n_dec, len(spans))
+        self.groups = [g for g in prompt_groups({i: spans[i][3] - spans[i][2] for i in rest
+                                                 if spans[i][1] == 0}) if len(g) > 1]
+        grouped = {i for g in self.groups for i in g}
+        self.alone = [i for i in rest if i not in grouped]
 
     def _rows(self, rows: list[int], device) -> torch.Tensor:
         key = tuple(rows)
@@ -181,7 +202,7 @@ class SlaContext(_LinearOnly):
 
     def linear_attend(self, layer, q, k, v, conv_weight, **kw):
         st, window, sinks, n_dec = self.states, kw.get("window", 0), kw.get("sinks", 0), self.n_dec
-        outs = []
+        outs = {}   # first row -> the output of the rows from there, (1, T, H*D)
         if n_dec:   # rows 0 .. n_dec - 1: one token each from a state
             routes = [st.route(layer, slot, start) for slot, start, _, _ in self.spans[:n_dec]]
             src, dst = (self._rows([r[i] for r in routes], q.device) for i in (0, 1))
@@ -190,8 +211,10 @@ class SlaContext(_LinearOnly):
             st.write(layer, dst, new)
             for (_, start, _, _), (_, row) in zip(self.spans[:n_dec], routes):
                 st.commit(layer, row, start + 1)
-            outs.append(out.transpose(0, 1))
-        for slot, start, a, b in self.spans[n_dec:]:
+            outs[0] = out.transpose(0, 1)
+        for g in self.groups:
+            outs.update(self._prompts(layer, g, q, k, v, conv_weight, kw))
+        for slot, start, a, b in (self.spans[i] for i in self.alone):
             src, dst = st.route(layer, slot, start)
             state = None
             if src is not None:
@@ -203,8 +226,26 @@ class SlaContext(_LinearOnly):
                 new = (*new[:3], *to_ring(new[3:], window, sinks))
             st.write(layer, self._rows([dst], q.device), new)
             st.commit(layer, dst, start + b - a)
-            outs.append(out)
-        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
+            outs[a] = out
+        parts = [outs[a] for a in sorted(outs)]
+        return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+    def _prompts(self, layer, group: list[int], q, k, v, conv_weight, kw) -> dict:
+        """New prompts `group` (span indices) in one padded call: {first row: output}."""
+        spans = [self.spans[i] for i in group]
+        L, N, dev = spans[0][3] - spans[0][2], q.shape[1], q.device
+        # each prompt's rows, then row N (a zero row appended) up to L
+        at = self._rows([r for _, _, a, b in spans for r in [*range(a, b), *[N] * (L - b + a)]], dev)
+        lens = self._rows([b - a for _, _, a, b in spans], dev)
+
+        def padded(x):
+            return torch.cat([x[0], x.new_zeros(1, x.shape[-1])]).index_select(0, at).view(len(spans), L, -1)
+        out, new = prompts_forward(padded(q), padded(k), padded(v), lens, conv_weight, **kw)
+        dst = [self.states.route(layer, slot, 0)[1] for slot, _, _, _ in spans]
+        self.states.write(layer, self._rows(dst, dev), new)
+        for (_, _, a, b), row in zip(spans, dst):
+            self.states.commit(layer, row, b - a)
+        return {a: out[i:i + 1, :b - a] for i, (_, _, a, b) in enumerate(spans)}
 
 
 def build_sla_step(states: SlaStates, items: list[tuple[list[int], int, list[int]]],

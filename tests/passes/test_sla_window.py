@@ -157,6 +157,32 @@ def test_decode_rows_in_the_ring_form_match_each_row_alone(lengths, window, sink
         assert torch.equal(new[5][b:b + 1], want[5]) and int(new[6][b]) == int(want[6][0]) == lengths[b] + 1
 
 
+@pytest.mark.parametrize("window,sinks", [(0, 0), (6, 2), (1, 2), (5, 0)],
+                         ids=["no-window", "window", "window-1", "no-sinks"])
+def test_prompts_padded_to_one_length_match_each_prompt_alone(window, sinks):
+    """New prompts of different lengths right-padded with zeros into one call (prompts_forward)
+    = each prompt's sla_forward alone: its outputs and its state after its own tokens (in the
+    ring form with a window; the conv's tail of a prompt shorter than the kernel included)."""
+    from llmaccel.ops.sla import prompts_forward, sla_forward
+    from llmaccel.ops.sla_window import to_ring
+    lengths = (2, 17, 1, 12)
+    q, k, v, w, mix, kw = _inputs(len(lengths), max(lengths), 4, 2, 8, 3, max(window, 1), sinks)
+    kw = {key: val for key, val in kw.items() if key != "layer"}
+    if not window:
+        kw = {key: val for key, val in kw.items() if key not in ("window", "sinks", "scale")}
+        mix = None
+    valid = torch.arange(max(lengths))[None, :, None] < torch.tensor(lengths)[:, None, None]
+    out, st = prompts_forward(*(x * valid for x in (q, k, v)), torch.tensor(lengths), w, mix=mix, **kw)
+    for b, n in enumerate(lengths):
+        o, want = sla_forward(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], w, mix=mix, **kw)
+        if window:
+            want = (*want[:3], *to_ring(want[3:], window, sinks))
+        torch.testing.assert_close(out[b:b + 1, :n], o, rtol=1e-5, atol=1e-5)
+        assert len(st) == len(want)
+        for got, x in zip(st, want):
+            torch.testing.assert_close(got[b:b + 1], x, rtol=1e-5, atol=1e-5)
+
+
 def test_window_needs_its_mix_weight():
     q, k, v, w, mix, kw = _inputs(1, 8, 2, 1, 4, 2, 4, 0)
     with pytest.raises(LlmaccelError, match="mix weight"):

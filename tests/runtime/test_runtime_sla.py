@@ -9,7 +9,7 @@ import torch
 from llmaccel import LLM, SamplingParams
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sla_states import SlaStates
+from llmaccel.runtime.sla_states import SlaContext, SlaStates, prompt_groups
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 LENGTHS = (5, 40, 70, 1, 33)  # with a window of 8 and 2 sinks: tokens fold into the state often
@@ -37,6 +37,13 @@ def test_greedy_matches_reference_executor(case, kw, monkeypatch):
         stacked.append(len(rows))
         return gather(self, layer, rows)
     monkeypatch.setattr(SlaStates, "gather", counted)
+    grouped = []  # new prompts run in one padded call: how many at once
+    prompts_call = SlaContext._prompts
+
+    def counted_prompts(self, layer, group, *a):
+        grouped.append(len(group))
+        return prompts_call(self, layer, group, *a)
+    monkeypatch.setattr(SlaContext, "_prompts", counted_prompts)
     llm = LLM(m, **kw)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ref
@@ -44,6 +51,7 @@ def test_greedy_matches_reference_executor(case, kw, monkeypatch):
     assert max(stacked) == llm.runner.bucket(kw.get("max_num_seqs", len(prompts)), 1)[0]
     met = llm.metrics()
     assert met["decode_steps"] > 0 and llm.runner.launches > 0
+    assert max(grouped) == (4 if not kw else 2)   # lengths 70, 40, 33, 5 together; 1 alone
     assert met["kv_blocks_used"] == 0 and met["prefix_caching"] is False
     assert met["kv_blocks_total"] == kw.get("max_num_seqs", met["kv_blocks_total"])
     assert met["sla_state_bytes"] == llm.cache.nbytes() > 0
@@ -116,3 +124,12 @@ def test_a_decode_group_leaves_its_last_two_states_routable(n):
     assert s.decode_row(1, 7 + n) == entry         # the next group: the same parity
     s.ran(2, 0, 3)                                 # a one-token prompt decoded from position 0
     assert s.route(3, 2, 3)[0] is not None
+
+
+def test_new_prompts_group_while_padding_stays_within_their_tokens():
+    """Longest first; a prompt joins the group while the group padded to its longest computes at
+    most twice its tokens."""
+    assert prompt_groups({0: 5, 1: 40, 2: 70, 3: 1, 4: 33}) == [[2, 1, 4, 0], [3]]
+    assert prompt_groups({7: 10, 8: 10, 9: 10}) == [[7, 8, 9]]
+    assert prompt_groups({0: 100, 1: 10, 2: 10}) == [[0, 1], [2]]
+    assert prompt_groups({}) == []
