@@ -25,7 +25,11 @@ class DecodeSteps:
         rows = [(t, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
                  s.params.top_p, s.seed) for s, t in zip(seqs, self._runner_tables(seqs, 0))]
         ps = [s.params for s in seqs]
-        grp = self.runner.launch(rows, n, sample_mode(ps), logprobs_wanted(ps))
+        try:
+            grp = self.runner.launch(rows, n, sample_mode(ps), logprobs_wanted(ps))
+        except BaseException:
+            self._lost(seqs)
+            raise
         if grp is None:
             for seq in seqs:
                 bm.trim(seq, seq.num_computed + 1)
@@ -41,6 +45,13 @@ class DecodeSteps:
         still running. The next group is launched before the wait where the runner copies
         each group's outputs apart (`early`: the GPU goes from one group to the next without
         waiting for the host), else after it."""
+        try:
+            self._apply_group(seqs, grp)
+        except BaseException:
+            self._lost(seqs)
+            raise
+
+    def _apply_group(self, seqs: list[Sequence], grp) -> None:
         early = self.runner.early
         nxt = self._continue(seqs, grp) if early else None
         toks_all, lps_all = self.runner.collect(grp)
@@ -90,6 +101,15 @@ class DecodeSteps:
             return None
         self._launched(cont, k, n)
         return seqs, nxt
+
+    def _lost(self, seqs: list[Sequence]) -> None:
+        """After a failure while a group ran or was applied: over sla states, the rows still
+        running are computed again from their tokens (their states may be past, or short of,
+        what the host applied; a KV cache's extra entries are simply overwritten)."""
+        if self.sla:
+            for s in seqs:
+                if not s.finished:
+                    self.sched.requeue(s)
 
     def _runner_tables(self, seqs: list[Sequence], ahead: int) -> list[list[int]]:
         """Each row's table for the runner once `ahead` more tokens are computed: its block table,

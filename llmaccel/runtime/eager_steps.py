@@ -106,6 +106,8 @@ class EagerSteps:
             step_inputs = build_kivi_step if self.kivi else build_sla_step if self.sla else build_step
             ids, pos, ctx = step_inputs(self.cache, items, want, self.device)
             logits = self.gm(ids, pos, ctx)[0]
+            if self.sla:  # the states after the step are where the forward wrote them
+                ctx.commit()
             if self.kivi:
                 for seq, _, _ in plan:
                     self.bm.release_aged(seq)

@@ -11,7 +11,7 @@ from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers, op_nodes
-from llmaccel.ops.sla import linear_attention
+from llmaccel.ops.sla import linear_attention, state_bytes
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import DecodeRunner
 from llmaccel.runtime.decode_steps import DecodeSteps
@@ -96,7 +96,11 @@ class LLM(DecodeSteps, EagerSteps):
         capture = on_cuda and cuda_graphs
         if self.sla:  # one slot per sequence, one block of the longest sequence per slot; with CUDA
             # graphs every slot's state is allocated at once (the graphs keep the tensors' addresses)
-            self.cache = SlaStates(sla_specs(self.model.gm), slots=max_num_seqs, max_len=self.cfg.max_position,
+            specs = sla_specs(self.model.gm)
+            if capture:
+                max_num_seqs = self._sla_slots(specs, max_num_seqs, max_num_batched_tokens,
+                                               gpu_memory_utilization)
+            self.cache = SlaStates(specs, slots=max_num_seqs, max_len=self.cfg.max_position,
                                    dtype=self.dtype, device=self.device, fixed=capture)
             self.bm = BlockManager(max_num_seqs, self.cfg.max_position, prefix_caching=False)
         elif self.kivi is not None:
@@ -157,6 +161,20 @@ class LLM(DecodeSteps, EagerSteps):
                                  tokens=tokens, budget_bytes=budget)
         cache = KiviPagedCache(layers, self.kivi, nf, nq, self.dtype, self.device)
         return cache, KiviBlockManager(nf, nq, g, r)
+
+    def _sla_slots(self, specs: dict, slots: int, max_batched: int, fraction: float) -> int:
+        """How many sequences' states (two buffers each, and the scratch pair) the GPU memory
+        budget holds, at most `slots`; fewer with a warning, none with an error."""
+        per = 2 * sum(state_bytes(sp["n_kv_heads"], sp["head_dim"], sp["kernel_size"], self.dtype.itemsize,
+                                  sp.get("window", 0), sp.get("sinks", 0)) for sp in specs.values())
+        fit = self._default_tokens(1, max_batched, fraction) // per - 1
+        if fit < 1:
+            raise LlmaccelError(f"no GPU memory left for one sequence's linear-attention states "
+                                f"({per / 2**20:.1f} MiB); lower max_num_batched_tokens or raise the fraction")
+        if fit < slots:
+            warnings.warn(f"max_num_seqs lowered from {slots} to {fit}: the linear-attention states of "
+                          f"{slots} sequences ({per / 2**20:.1f} MiB each) exceed the GPU memory budget")
+        return min(slots, fit)
 
     def _default_tokens(self, bpt: int, max_batched: int, fraction: float) -> int:
         if str(self.device).startswith("cuda"):

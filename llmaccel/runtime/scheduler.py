@@ -54,6 +54,12 @@ class Scheduler:
             self.waiting.remove(seq)
         self.finish(seq)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Compute a running sequence again from its first token, as after a preemption (its
+        recurrent state, over sla graphs, went past what the host applied when a step failed)."""
+        if seq in self.running:
+            self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)

@@ -49,7 +49,9 @@ class SlaStates:
         self.specs, self.slots, self.dtype, self.device = specs, slots, dtype, torch.device(device)
         self.block_size = max_len                              # the block manager's: one block per slot
         self.store: dict[int, list[torch.Tensor]] = {}        # layer -> state tensors (2 * (slots + 1), ...)
-        self.covers: dict[int, dict[int, list[int]]] = {}     # layer -> slot -> tokens in buffer 0, 1
+        # slot -> tokens its buffer 0, 1 covers, in every layer: a step's layers all read one buffer
+        # and write the other, and the host records that once the whole forward has run
+        self.covers: dict[int, list[int]] = {}
         self.room = 0                                         # slots the tensors hold
         # one empty row per layer: what a decode row at position 0 starts from (SlaDecodeContext)
         self.blank = {layer: empty_state(1, dtype=dtype, device=self.device, **spec)
@@ -70,13 +72,13 @@ class SlaStates:
         if slot >= self.room:   # room for twice the slots in use, at most all of them
             self._grow(min(self.slots, max(2 * self.room, slot + 1)))
 
-    def route(self, layer: int, slot: int, start: int) -> tuple[int | None, int]:
+    def route(self, slot: int, start: int) -> tuple[int | None, int]:
         """(the row holding `slot`'s state after its first `start` tokens (None: the empty state),
-        the row its state after this step goes to: the slot's other buffer)."""
+        the row its state after this step goes to: the slot's other buffer), in every layer."""
         if not 0 <= slot < self.slots:
             raise LlmaccelError(f"slot {slot} is outside the {self.slots} slots of the sla states")
         self._reserve(slot)
-        cov = self.covers.setdefault(layer, {}).setdefault(slot, [-1, -1])
+        cov = self.covers.setdefault(slot, [-1, -1])
         base = 2 * (slot + 1)
         if start == 0:   # a new sequence in the slot: what it held before is not its state
             cov[:] = [-1, -1]
@@ -84,32 +86,26 @@ class SlaStates:
         for b in (0, 1):
             if cov[b] == start:
                 return base + b, base + 1 - b
-        raise LlmaccelError(f"layer {layer} has no recurrent state after {start} tokens in slot {slot}; "
-                            f"a linear-attention (sla) state cannot be rebuilt from a later point")
+        raise LlmaccelError(f"slot {slot} holds no recurrent state after {start} tokens (it holds "
+                            f"{max(cov)}); a linear-attention (sla) state cannot be rebuilt from another point")
 
-    def commit(self, layer: int, row: int, tokens: int) -> None:
-        """Row `row` now holds its slot's state after `tokens` tokens."""
-        self.covers[layer][row // 2 - 1][row % 2] = tokens
+    def commit(self, row: int, tokens: int) -> None:
+        """Row `row` now holds its slot's state after `tokens` tokens, in every layer."""
+        self.covers[row // 2 - 1][row % 2] = tokens
 
     def decode_row(self, slot: int, start: int) -> int:
         """The decode runner's table entry for `slot` stepping on from `start` tokens: its row
         pair plus the parity p such that the state after `pos` tokens is in buffer (pos + p) % 2."""
-        par = set()
-        for layer in self.specs:
-            src, dst = self.route(layer, slot, start)
-            par.add(((src if src is not None else dst + 1) + start) % 2)
-        if len(par) > 1:   # every layer steps with every other: never, unless a step broke off
-            raise LlmaccelError(f"the layers of slot {slot} hold their states in different buffers")
-        return 2 * (slot + 1) + par.pop()
+        src, dst = self.route(slot, start)
+        return 2 * (slot + 1) + ((src if src is not None else dst + 1) + start) % 2
 
     def ran(self, slot: int, start: int, n: int) -> None:
-        """A group of n decode sub-steps from `start` launched for `slot` (decode_row's entry):
-        the state after start + n tokens is in one buffer, after start + n - 1 in the other."""
-        par = self.decode_row(slot, start) % 2
-        base = 2 * (slot + 1)
-        for layer in self.specs:
-            self.commit(layer, base + (start + n + par) % 2, start + n)
-            self.commit(layer, base + (start + n - 1 + par) % 2, start + n - 1)
+        """A group of n decode sub-steps from `start` ran for `slot` (decode_row's entry): the
+        state after start + n tokens is in one buffer, after start + n - 1 in the other."""
+        row = self.decode_row(slot, start)
+        base, par = row - row % 2, row % 2
+        self.commit(base + (start + n + par) % 2, start + n)
+        self.commit(base + (start + n - 1 + par) % 2, start + n - 1)
 
     def gather(self, layer: int, rows: torch.Tensor) -> tuple:
         return tuple(t.index_select(0, rows) for t in self.store[layer])
@@ -178,13 +174,16 @@ class SlaContext(_LinearOnly):
     The engine puts the decode rows (one token from a state) first: their states are gathered,
     stepped in one call and written back; new prompts (from position 0) run in padded groups
     (prompts_forward: one call each, prompt_groups), and a prompt chunk that continues a state
-    runs alone."""
+    runs alone. Where each sequence's state is read and written is decided once for the step;
+    commit() records it once the forward has run (a forward that breaks off leaves the states
+    the step started from where they were)."""
 
     def __init__(self, states: SlaStates, spans: list[tuple[int, int, int, int]],
-                 logits_indices: torch.Tensor):
-        self.states, self.spans, self.logits_indices = states, spans, logits_indices
+                 logits_indices: torch.Tensor, device):
+        self.states, self.spans, self.logits_indices, self.device = states, spans, logits_indices, device
+        self.routes = [states.route(slot, start) for slot, start, _, _ in spans]
         self._dev: dict[tuple[int, ...], torch.Tensor] = {}   # rows -> on the device, once a step
-        self.n_dec = 0   # the leading spans of one token from a state, the same in every layer
+        self.n_dec = 0   # the leading spans of one token from a state
         while self.n_dec < len(spans) and spans[self.n_dec][1] > 0 and \
                 spans[self.n_dec][3] - spans[self.n_dec][2] == 1:
             self.n_dec += 1
@@ -193,59 +192,61 @@ class SlaContext(_LinearOnly):
                                                  if spans[i][1] == 0}) if len(g) > 1]
         grouped = {i for g in self.groups for i in g}
         self.alone = [i for i in rest if i not in grouped]
+        # a group's rows gathered into (prompts, longest) with a zero row (index N) as padding
+        self.padding = []
+        for g in self.groups:
+            sp = [spans[i] for i in g]
+            L, N = sp[0][3] - sp[0][2], spans[-1][3] if spans else 0
+            self.padding.append([r for _, _, a, b in sp for r in [*range(a, b), *[N] * (L - b + a)]])
 
-    def _rows(self, rows: list[int], device) -> torch.Tensor:
+    def _rows(self, rows: list[int]) -> torch.Tensor:
         key = tuple(rows)
         if key not in self._dev:   # the same in every layer: one copy to the device a step
-            self._dev[key] = torch.tensor(rows, device=device)
+            self._dev[key] = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self._dev[key]
+
+    def commit(self) -> None:
+        """The forward ran: each sequence's state after this step is in its destination row."""
+        for (_, start, a, b), (_, dst) in zip(self.spans, self.routes):
+            self.states.commit(dst, start + b - a)
 
     def linear_attend(self, layer, q, k, v, conv_weight, **kw):
         st, window, sinks, n_dec = self.states, kw.get("window", 0), kw.get("sinks", 0), self.n_dec
         outs = {}   # first row -> the output of the rows from there, (1, T, H*D)
         if n_dec:   # rows 0 .. n_dec - 1: one token each from a state
-            routes = [st.route(layer, slot, start) for slot, start, _, _ in self.spans[:n_dec]]
-            src, dst = (self._rows([r[i] for r in routes], q.device) for i in (0, 1))
+            src, dst = (self._rows([r[i] for r in self.routes[:n_dec]]) for i in (0, 1))
             out, new = sla_forward(q[0, :n_dec, None], k[0, :n_dec, None], v[0, :n_dec, None],
                                    conv_weight, state=st.gather(layer, src), **kw)
             st.write(layer, dst, new)
-            for (_, start, _, _), (_, row) in zip(self.spans[:n_dec], routes):
-                st.commit(layer, row, start + 1)
             outs[0] = out.transpose(0, 1)
-        for g in self.groups:
-            outs.update(self._prompts(layer, g, q, k, v, conv_weight, kw))
-        for slot, start, a, b in (self.spans[i] for i in self.alone):
-            src, dst = st.route(layer, slot, start)
+        for g, at in zip(self.groups, self.padding):
+            outs.update(self._prompts(layer, g, at, q, k, v, conv_weight, kw))
+        for i in self.alone:
+            (_, _, a, b), (src, dst) = self.spans[i], self.routes[i]
             state = None
             if src is not None:
-                state = st.gather(layer, self._rows([src], q.device))
+                state = st.gather(layer, self._rows([src]))
                 if window:   # window_forward takes the kept tokens in order
                     state = (*state[:3], *from_ring(state[3:]))
             out, new = sla_forward(q[:, a:b], k[:, a:b], v[:, a:b], conv_weight, state=state, **kw)
             if window:
                 new = (*new[:3], *to_ring(new[3:], window, sinks))
-            st.write(layer, self._rows([dst], q.device), new)
-            st.commit(layer, dst, start + b - a)
+            st.write(layer, self._rows([dst]), new)
             outs[a] = out
         parts = [outs[a] for a in sorted(outs)]
         return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
-    def _prompts(self, layer, group: list[int], q, k, v, conv_weight, kw) -> dict:
-        """New prompts `group` (span indices) in one padded call: {first row: output}."""
+    def _prompts(self, layer, group: list[int], at: list[int], q, k, v, conv_weight, kw) -> dict:
+        """New prompts `group` (span indices) in one padded call (rows `at`): {first row: output}."""
         spans = [self.spans[i] for i in group]
-        L, N, dev = spans[0][3] - spans[0][2], q.shape[1], q.device
-        # each prompt's rows, then row N (a zero row appended) up to L
-        at = self._rows([r for _, _, a, b in spans for r in [*range(a, b), *[N] * (L - b + a)]], dev)
-        lens = self._rows([b - a for _, _, a, b in spans], dev)
+        L, idx = spans[0][3] - spans[0][2], self._rows(at)
 
         def padded(x):
-            return torch.cat([x[0], x.new_zeros(1, x.shape[-1])]).index_select(0, at).view(len(spans), L, -1)
-        out, new = prompts_forward(padded(q), padded(k), padded(v), lens, conv_weight, **kw)
-        dst = [self.states.route(layer, slot, 0)[1] for slot, _, _, _ in spans]
-        self.states.write(layer, self._rows(dst, dev), new)
-        for (_, _, a, b), row in zip(spans, dst):
-            self.states.commit(layer, row, b - a)
-        return {a: out[i:i + 1, :b - a] for i, (_, _, a, b) in enumerate(spans)}
+            return torch.cat([x[0], x.new_zeros(1, x.shape[-1])]).index_select(0, idx).view(len(spans), L, -1)
+        out, new = prompts_forward(padded(q), padded(k), padded(v), self._rows([b - a for _, _, a, b in spans]),
+                                   conv_weight, **kw)
+        self.states.write(layer, self._rows([self.routes[i][1] for i in group]), new)
+        return {a: out[j:j + 1, :b - a] for j, (_, _, a, b) in enumerate(spans)}
 
 
 def build_sla_step(states: SlaStates, items: list[tuple[list[int], int, list[int]]],
@@ -262,4 +263,4 @@ def build_sla_step(states: SlaStates, items: list[tuple[list[int], int, list[int
 
     def dev(x):
         return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
-    return dev([ids]), dev([pos]), SlaContext(states, spans, dev(rows))
+    return dev([ids]), dev([pos]), SlaContext(states, spans, dev(rows), device)

@@ -9,7 +9,8 @@ import torch
 from llmaccel import LLM, SamplingParams
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
-from llmaccel.runtime.sla_states import SlaContext, SlaStates, prompt_groups
+from llmaccel.ops.sla import state_bytes
+from llmaccel.runtime.sla_states import SlaContext, SlaStates, prompt_groups, sla_specs
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 LENGTHS = (5, 40, 70, 1, 33)  # with a window of 8 and 2 sinks: tokens fold into the state often
@@ -78,26 +79,26 @@ def test_a_step_run_again_starts_from_its_state():
     step run again finds its start; the next step overwrites the older one. Slot s's buffers
     are rows 2 (s + 1) and 2 (s + 1) + 1 (rows 0 and 1: the decode runner's scratch pair)."""
     s = _states()
-    assert s.route(3, 0, 0) == (None, 2)          # position 0: the empty state, into buffer 0
+    assert s.route(0, 0) == (None, 2)             # position 0: the empty state, into buffer 0
     s.write(3, torch.tensor([2]), state(5))
-    s.commit(3, 2, 5)
-    src, dst = s.route(3, 0, 5)
+    s.commit(2, 5)
+    src, dst = s.route(0, 5)
     assert (src, dst) == (2, 3)
     s.write(3, torch.tensor([dst]), state(9))
-    s.commit(3, dst, 9)
-    assert s.route(3, 0, 5) == (2, 3)             # the step from 5 again: its start is still there
-    assert s.route(3, 0, 9) == (3, 2)             # the next step overwrites the state after 5
-    s.commit(3, 2, 10)
+    s.commit(dst, 9)
+    assert s.route(0, 5) == (2, 3)                # the step from 5 again: its start is still there
+    assert s.route(0, 9) == (3, 2)                # the next step overwrites the state after 5
+    s.commit(2, 10)
     with pytest.raises(LlmaccelError, match="after 5 tokens"):
-        s.route(3, 0, 5)
+        s.route(0, 5)
     assert torch.equal(s.gather(3, torch.tensor([3]))[0], state(9)[0])
-    assert s.route(3, 2, 0) == (None, 6)          # slot 2: the tensors grow, slot 0 kept
+    assert s.route(2, 0) == (None, 6)             # slot 2: the tensors grow, slot 0 kept
     assert s.store[3][0].shape[0] >= 8 and torch.equal(s.gather(3, torch.tensor([3]))[0], state(9)[0])
-    assert s.route(3, 0, 0) == (None, 2)          # the slot reused by a new sequence
+    assert s.route(0, 0) == (None, 2)             # the slot reused by a new sequence
     with pytest.raises(LlmaccelError, match="after 10 tokens"):
-        s.route(3, 0, 10)
+        s.route(0, 10)
     with pytest.raises(LlmaccelError, match="outside the 4 slots"):
-        s.route(3, 4, 0)
+        s.route(4, 0)
     with pytest.raises(RuntimeError):
         s.copy_blocks([(0, 1)])
 
@@ -109,21 +110,69 @@ def test_a_decode_group_leaves_its_last_two_states_routable(n):
     group and, for a group of one sub-step, the one before it (a group run again)."""
     s = _states(fixed=True)
     assert s.store[3][0].shape[0] == 2 * (4 + 1)   # every slot and the scratch pair, at once
-    s.route(3, 1, 0)
-    s.commit(3, 4, 7)                              # slot 1: the state after 7 tokens in buffer 0
+    s.route(1, 0)
+    s.commit(4, 7)                                 # slot 1: the state after 7 tokens in buffer 0
     entry = s.decode_row(1, 7)
     base, par = entry - entry % 2, entry % 2
     assert base == 4 and (7 + par) % 2 == 0
     s.ran(1, 7, n)
-    last = base + (7 + n + par) % 2
-    assert s.route(3, 1, 7 + n)[0] == last
-    assert s.route(3, 1, 7 + n - 1)[0] == base + (7 + n - 1 + par) % 2
+    assert s.route(1, 7 + n)[0] == base + (7 + n + par) % 2
+    assert s.route(1, 7 + n - 1)[0] == base + (7 + n - 1 + par) % 2
     if n > 1:
         with pytest.raises(LlmaccelError, match="after 7 tokens"):
-            s.route(3, 1, 7)
+            s.route(1, 7)
     assert s.decode_row(1, 7 + n) == entry         # the next group: the same parity
     s.ran(2, 0, 3)                                 # a one-token prompt decoded from position 0
-    assert s.route(3, 2, 3)[0] is not None
+    assert s.route(2, 3)[0] is not None
+
+
+@pytest.mark.parametrize("where", ["relaunch", "collect"])
+def test_a_decode_group_that_fails_is_computed_again(case, where):
+    """A group that breaks off (after its sub-steps ran, or while its tokens are read) leaves
+    rows' states past what the host applied: those rows are computed again from their tokens,
+    and the output is still the reference's."""
+    m, prompts, ref = case
+    llm = LLM(m)
+    real = getattr(llm.runner, where)
+    calls = []
+
+    def flaky(*a):
+        calls.append(1)
+        if len(calls) == 2 and where == "collect":
+            raise RuntimeError("broke off")
+        out = real(*a)
+        if len(calls) == 2:   # the group ran; the host never learns it did
+            raise RuntimeError("broke off")
+        return out
+    setattr(llm.runner, where, flaky)
+    seqs = [llm.add_request(p, GREEDY) for p in prompts]
+    with pytest.raises(RuntimeError, match="broke off"):
+        while llm.has_unfinished():
+            llm.step()
+    while llm.has_unfinished():
+        llm.step()
+    assert [s.output_ids for s in seqs] == ref
+    assert llm.sched.preemptions > 0
+
+
+def test_all_slots_at_once_fit_the_memory_budget(case, monkeypatch):
+    """With CUDA graphs every slot's states are allocated at once: max_num_seqs is lowered (with a
+    warning) to what the memory budget holds, and an engine whose budget holds none is refused."""
+    m = case[0]
+    llm = LLM(m)
+    specs = sla_specs(m.gm)
+    size = 2 * sum(state_bytes(sp["n_kv_heads"], sp["head_dim"], sp["kernel_size"], 4,
+                               sp.get("window", 0), sp.get("sinks", 0)) for sp in specs.values())
+    for budget, slots in ((10 ** 12, 256), (11 * size, 10)):   # 10 slots and the scratch pair
+        monkeypatch.setattr(llm, "_default_tokens", lambda *a, b=budget: b)
+        if slots < 256:
+            with pytest.warns(UserWarning, match="max_num_seqs lowered from 256 to 10"):
+                assert llm._sla_slots(specs, 256, 8192, 0.9) == slots
+        else:
+            assert llm._sla_slots(specs, 256, 8192, 0.9) == slots
+    monkeypatch.setattr(llm, "_default_tokens", lambda *a: size)
+    with pytest.raises(LlmaccelError, match="no GPU memory left"):
+        llm._sla_slots(specs, 256, 8192, 0.9)
 
 
 def test_new_prompts_group_while_padding_stays_within_their_tokens():
