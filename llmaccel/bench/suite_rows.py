@@ -124,7 +124,7 @@ def _sla_llm(o: Options, row: str) -> list[Job]:
     bench's own text)."""
     sla = ["--passes", "sla,fuse", "--set", "sla.window=64", "--set", "sla.sinks=4", "--no-profile"]
     return [_bench(o, row, "llmc_smollm2-135m_bs8", "smollm2-135m", 8, 200, "--no-profile"),
-            _bench(o, row, "llmc_smollm2-135m-sla-w64_bs8", "smollm2-135m", 8, 240, *sla)]
+            _bench(o, row, "llmc_smollm2-135m-sla-w64_bs8", "smollm2-135m", 8, 300, *sla)]
 
 
 def _w4(group: int) -> list[str]:
