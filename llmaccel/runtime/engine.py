@@ -44,8 +44,8 @@ class LLM(DecodeSteps, EagerSteps):
                  device=None, enable_prefix_caching: bool = True, draft_layers: int | None = None,
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  compile: bool | None = None):
-        """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py),
-        except over a KIVI cache (linear-attention states too: sla_states.py).
+        """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py;
+        over linear-attention states too, sla_states.py), except over a KIVI cache.
         cuda_graphs: replay them as CUDA graphs (CUDA only);
         compile: Inductor on the decode sub-step first (None: on CUDA)."""
         counts = dict(block_size=block_size, max_num_seqs=max_num_seqs,
