@@ -274,6 +274,7 @@ class DecodeRunner:
                     try:
                         hit = (cuda_graph(lambda: fn(buf), self.pool, self.device, reset=buf.i.zero_), buf, fn)
                         how = "run uncompiled"
+                        self.failures[key] = f"captured uncompiled: {self.failures[key]}"[:300]
                     except Exception:  # noqa: BLE001 - the first failure is the one reported
                         buf.i.zero_()
                 warnings.warn(f"decode steps of {B} rows ({mode}) {how}: compiling or "
