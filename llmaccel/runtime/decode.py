@@ -262,23 +262,23 @@ class DecodeRunner:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         hit = (None, buf, fn)
         if self.capture:
-            try:
-                hit = (cuda_graph(lambda: fn(buf), self.pool, self.device, reset=buf.i.zero_), buf, fn)
-            except Exception as e:  # noqa: BLE001 - compile or capture: uncompiled, then eager
-                self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                buf.i.zero_()
-                fn = self._fn(B, mode, compiled=False)
-                hit = (None, buf, fn)
-                how = "run eagerly"
-                if self.compile:  # the uncompiled sub-step still saves the launches if captured
-                    try:
-                        hit = (cuda_graph(lambda: fn(buf), self.pool, self.device, reset=buf.i.zero_), buf, fn)
-                        how = "run uncompiled"
-                        self.failures[key] = f"captured uncompiled: {self.failures[key]}"[:300]
-                    except Exception:  # noqa: BLE001 - the first failure is the one reported
-                        buf.i.zero_()
-                warnings.warn(f"decode steps of {B} rows ({mode}) {how}: compiling or "
-                              f"capturing them failed ({self.failures[key]})")
+            # the compiled sub-step captured; failing that the uncompiled one (a graph still saves
+            # the launches); failing both it runs eagerly, uncompiled. The first failure is reported.
+            forms, err = [fn] + ([self._fn(B, mode, compiled=False)] if self.compile else []), None
+            for f in forms:
+                try:
+                    hit = (cuda_graph(lambda: f(buf), self.pool, self.device, reset=buf.i.zero_), buf, f)
+                    break
+                except Exception as e:  # noqa: BLE001 - compile or capture
+                    buf.i.zero_()
+                    err = err or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            else:
+                hit = (None, buf, self._fn(B, mode, compiled=False))
+            if err is not None:
+                how = "run eagerly" if hit[0] is None else "captured uncompiled"
+                self.failures[key] = (err if hit[0] is None else f"{how}: {err}")[:300]
+                warnings.warn(f"decode steps of {B} rows ({mode}) {how}: compiling or capturing "
+                              f"them failed ({err[:300]})")
         self.graphs[key] = hit
         self.capture_s += time.perf_counter() - t0
         return hit

@@ -22,8 +22,9 @@ class DecodeSteps:
             n = 1  # the scheduler made room for one token per row
             self._reserve(seqs, n)
         bm = self.bm
+        tables = self._runner_tables(seqs, 0)
         rows = [(t, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
-                 s.params.top_p, s.seed) for s, t in zip(seqs, self._runner_tables(seqs, 0))]
+                 s.params.top_p, s.seed) for s, t in zip(seqs, tables)]
         ps = [s.params for s in seqs]
         try:
             grp = self.runner.launch(rows, n, sample_mode(ps), logprobs_wanted(ps))
@@ -34,7 +35,7 @@ class DecodeSteps:
             for seq in seqs:
                 bm.trim(seq, seq.num_computed + 1)
             return False
-        self._launched(seqs, 0, n)
+        self._launched(seqs, tables, 0, n)
         self._resolve(seqs, grp)
         return True
 
@@ -93,13 +94,14 @@ class DecodeSteps:
         n = self._group_size(cont, k)
         if not self._reserve(cont, k + n):
             return None
-        tables = dict(zip(map(id, cont), self._runner_tables(cont, k)))
-        nxt = self.runner.relaunch(grp, [tables.get(id(s)) for s in seqs], n)
+        tables = self._runner_tables(cont, k)
+        by_seq = dict(zip(map(id, cont), tables))
+        nxt = self.runner.relaunch(grp, [by_seq.get(id(s)) for s in seqs], n)
         if nxt is None:
             for s in cont:
                 bm.trim(s, s.num_computed + k)
             return None
-        self._launched(cont, k, n)
+        self._launched(cont, tables, k, n)
         return seqs, nxt
 
     def _lost(self, seqs: list[Sequence]) -> None:
@@ -118,11 +120,12 @@ class DecodeSteps:
             return [s.block_table for s in seqs]
         return [[self.cache.decode_row(s.block_table[0], s.num_computed + ahead)] for s in seqs]
 
-    def _launched(self, seqs: list[Sequence], ahead: int, n: int) -> None:
-        """n sub-steps launched for the rows from `ahead` tokens on: sla states record them."""
+    def _launched(self, seqs: list[Sequence], tables: list[list[int]], ahead: int, n: int) -> None:
+        """n sub-steps launched on the rows' runner tables from `ahead` tokens on: sla states
+        record them."""
         if self.sla:
-            for s in seqs:
-                self.cache.ran(s.block_table[0], s.num_computed + ahead, n)
+            for s, t in zip(seqs, tables):
+                self.cache.ran(t[0], s.num_computed + ahead, n)
 
     def _reserve(self, seqs: list[Sequence], ahead: int) -> bool:
         """Grow each row's block table to its position + `ahead` tokens (blocks that only this

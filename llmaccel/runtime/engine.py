@@ -10,8 +10,8 @@ import torch
 from llmaccel.codegen.lower import lower
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
-from llmaccel.ir import attention_layers, op_nodes
-from llmaccel.ops.sla import linear_attention, state_bytes
+from llmaccel.ir import attention_layers
+from llmaccel.ops.sla import state_bytes
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.decode import DecodeRunner
 from llmaccel.runtime.decode_steps import DecodeSteps
@@ -75,7 +75,8 @@ class LLM(DecodeSteps, EagerSteps):
             raise LlmaccelError("the graph has no attention nodes; the paged runtime cannot bind a cache")
         self.kivi = kivi_spec(self.model.gm)  # kvquant graph: the cache holds packed KIVI blocks
         # linear attention (sla): a recurrent state per sequence in a slot of its own (sla_states.py)
-        self.sla = bool(op_nodes(self.model.gm, linear_attention))
+        sla_layers = sla_specs(self.model.gm)
+        self.sla = bool(sla_layers)
         if self.sla and speculative is not None:
             raise LlmaccelError("speculative decoding does not run on linear attention (sla) yet: its "
                                 "recurrent state cannot roll back rejected tokens; drop speculative=")
@@ -96,11 +97,10 @@ class LLM(DecodeSteps, EagerSteps):
         capture = on_cuda and cuda_graphs
         if self.sla:  # one slot per sequence, one block of the longest sequence per slot; with CUDA
             # graphs every slot's state is allocated at once (the graphs keep the tensors' addresses)
-            specs = sla_specs(self.model.gm)
             if capture:
-                max_num_seqs = self._sla_slots(specs, max_num_seqs, max_num_batched_tokens,
+                max_num_seqs = self._sla_slots(sla_layers, max_num_seqs, max_num_batched_tokens,
                                                gpu_memory_utilization)
-            self.cache = SlaStates(specs, slots=max_num_seqs, max_len=self.cfg.max_position,
+            self.cache = SlaStates(sla_layers, slots=max_num_seqs, max_len=self.cfg.max_position,
                                    dtype=self.dtype, device=self.device, fixed=capture)
             self.bm = BlockManager(max_num_seqs, self.cfg.max_position, prefix_caching=False)
         elif self.kivi is not None:

@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.ir import op_nodes
 from llmaccel.ops.sla import empty_state, linear_attention, prompts_forward, sla_forward
 from llmaccel.ops.sla_window import from_ring, to_ring
 
 
 def sla_specs(gm: torch.fx.GraphModule) -> dict[int, dict]:
     """layer -> the keyword arguments of its linear_attention op (the state's shapes)."""
-    return {n.kwargs["layer"]: dict(n.kwargs) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is linear_attention}
+    return {n.kwargs["layer"]: dict(n.kwargs) for n in op_nodes(gm, linear_attention)}
 
 
 class SlaStates:
@@ -95,15 +95,15 @@ class SlaStates:
 
     def decode_row(self, slot: int, start: int) -> int:
         """The decode runner's table entry for `slot` stepping on from `start` tokens: its row
-        pair plus the parity p such that the state after `pos` tokens is in buffer (pos + p) % 2."""
+        pair plus the parity p such that the state after `pos` tokens is in buffer (pos + p) % 2
+        (from position 0 the step writes buffer 0, so it reads buffer 1: p = 1)."""
         src, dst = self.route(slot, start)
         return 2 * (slot + 1) + ((src if src is not None else dst + 1) + start) % 2
 
-    def ran(self, slot: int, start: int, n: int) -> None:
-        """A group of n decode sub-steps from `start` ran for `slot` (decode_row's entry): the
-        state after start + n tokens is in one buffer, after start + n - 1 in the other."""
-        row = self.decode_row(slot, start)
-        base, par = row - row % 2, row % 2
+    def ran(self, entry: int, start: int, n: int) -> None:
+        """A group of n decode sub-steps from `start` ran on decode_row's `entry`: the state after
+        start + n tokens is in one buffer, after start + n - 1 in the other."""
+        base, par = entry - entry % 2, entry % 2
         self.commit(base + (start + n + par) % 2, start + n)
         self.commit(base + (start + n - 1 + par) % 2, start + n - 1)
 
@@ -196,7 +196,7 @@ class SlaContext(_LinearOnly):
         self.padding = []
         for g in self.groups:
             sp = [spans[i] for i in g]
-            L, N = sp[0][3] - sp[0][2], spans[-1][3] if spans else 0
+            L, N = sp[0][3] - sp[0][2], spans[-1][3]
             self.padding.append([r for _, _, a, b in sp for r in [*range(a, b), *[N] * (L - b + a)]])
 
     def _rows(self, rows: list[int]) -> torch.Tensor:

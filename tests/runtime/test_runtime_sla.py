@@ -115,14 +115,14 @@ def test_a_decode_group_leaves_its_last_two_states_routable(n):
     entry = s.decode_row(1, 7)
     base, par = entry - entry % 2, entry % 2
     assert base == 4 and (7 + par) % 2 == 0
-    s.ran(1, 7, n)
+    s.ran(entry, 7, n)
     assert s.route(1, 7 + n)[0] == base + (7 + n + par) % 2
     assert s.route(1, 7 + n - 1)[0] == base + (7 + n - 1 + par) % 2
     if n > 1:
         with pytest.raises(LlmaccelError, match="after 7 tokens"):
             s.route(1, 7)
     assert s.decode_row(1, 7 + n) == entry         # the next group: the same parity
-    s.ran(2, 0, 3)                                 # a one-token prompt decoded from position 0
+    s.ran(s.decode_row(2, 0), 0, 3)                # a one-token prompt decoded from position 0
     assert s.route(2, 3)[0] is not None
 
 
