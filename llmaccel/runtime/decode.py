@@ -183,7 +183,7 @@ class DecodeRunner:
         self.max_len, self.max_blocks = max_len, max_blocks
         self.buckets = batch_buckets(max_seqs)
         self.scratch = cache.num_blocks - 1 if scratch is None else scratch
-        self.device = cache.device if hasattr(cache, "device") else next(iter(cache.k.values())).device
+        self.device = cache.device
         cuda = self.device.type == "cuda"
         self.compile = cuda if compile is None else compile
         # one row on CUDA: the fused Triton GEMVs, when their kernel module loads

@@ -20,6 +20,7 @@ class PagedKVCache:
     def __init__(self, layers: dict[int, tuple[int, int]], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device):
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.device = torch.empty(0, device=device).device   # with its index, as the tensors'
         self.k = {i: torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device)
                   for i, (h, d) in layers.items()}
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
@@ -31,7 +32,7 @@ class PagedKVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=next(iter(self.k.values())).device)
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=src.device)
         for t in list(self.k.values()) + list(self.v.values()):
             t[dst] = t[src]

@@ -141,16 +141,18 @@ class SlaDecodeContext(_LinearOnly):
     empty state. Static shapes, nothing read back to the host: CUDA graphs capture it."""
 
     def __init__(self, states: SlaStates, pos: torch.Tensor, tables: torch.Tensor):
-        self.states, self.pos, self.tables = states, pos, tables
+        self.states = states
+        # the rows every layer reads and writes, computed once a sub-step
+        t = tables[:, 0].long()
+        par = (pos + t) % 2                             # the buffer holding the state after pos
+        base = t - t % 2
+        self.src, self.dst, self.empty = base + par, base + 1 - par, pos == 0
 
     def linear_attend(self, layer, q, k, v, conv_weight, **kw):
-        t = self.tables[:, 0].long()
-        par = (self.pos + t) % 2                        # the buffer holding the state after pos
-        base = t - t % 2
         st = self.states
-        state = st.fresh(layer, st.gather(layer, base + par), self.pos == 0)
+        state = st.fresh(layer, st.gather(layer, self.src), self.empty)
         out, new = sla_forward(q[0, :, None], k[0, :, None], v[0, :, None], conv_weight, state=state, **kw)
-        st.write(layer, base + 1 - par, new)
+        st.write(layer, self.dst, new)
         return out.transpose(0, 1)
 
 

@@ -92,7 +92,7 @@ class StepGraphs:
                  max_graphs: int = MAX_GRAPHS):
         self.gm, self.cache, self.scratch, self.capture = gm, cache, scratch, capture
         self.max_tokens, self.max_seqs, self.max_graphs = max_tokens, min(max_seqs, SEQ_BUCKETS[-1]), max_graphs
-        self.device = next(iter(cache.k.values())).device
+        self.device = cache.device
         self.pool = pool  # the decode graphs' pool: one replays at a time
         self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.failures: dict[tuple, str] = {}  # shapes whose capture failed: why

@@ -39,7 +39,7 @@ def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int, bar=No
     """Run the mixed steps of eager_warm_steps(context) over the scratch block alone (every slot
     and table entry there; outputs discarded), so that the kernel variants of eager prefill and
     mixed steps are compiled before any request. How many (bar: a progress bar)."""
-    bs, device = cache.block_size, next(iter(cache.k.values())).device
+    bs, device = cache.block_size, cache.device
     steps = eager_warm_steps(context)
     for L, prompt in steps:
         items = [([scratch] * -(-L // bs), L - 1, [0]), ([scratch] * -(-prompt // bs), 0, [0] * prompt)]

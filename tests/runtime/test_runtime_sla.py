@@ -16,13 +16,21 @@ GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 LENGTHS = (5, 40, 70, 1, 33)  # with a window of 8 and 2 sinks: tokens fold into the state often
 
 
-@pytest.fixture(scope="module", params=[{}, {"window": "8", "sinks": "2"}], ids=["slab", "window"])
-def case(request):
-    m = compile("preset:tiny-llama", ["sla"], {"sla": {"calib_samples": "2", "calib_seq_len": "32",
-                                                       **request.param}}, eval_tokens=0, progress=False)
+FORMS, FORM_IDS = [{}, {"window": "8", "sinks": "2"}], ["slab", "window"]   # SLAB; window and sinks
+
+
+def _case(window: dict, device: str = "cpu"):
+    """A tiny sla model, prompts of LENGTHS and the reference executor's greedy tokens."""
+    m = compile("preset:tiny-llama", ["sla"], {"sla": {"calib_samples": "2", "calib_seq_len": "32", **window}},
+                eval_tokens=0, progress=False, device=device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in LENGTHS]
     return m, prompts, [list(m.generate_ids(p, GREEDY)) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=FORMS, ids=FORM_IDS)
+def case(request):
+    return _case(request.param)
 
 
 @pytest.mark.parametrize("kw", [
@@ -185,16 +193,12 @@ def test_new_prompts_group_while_padding_stays_within_their_tokens():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("window", [{}, {"window": "8", "sinks": "2"}], ids=["slab", "window"])
+@pytest.mark.parametrize("window", FORMS, ids=FORM_IDS)
 def test_cuda_graphs_match_reference_executor(window):
     """On the GPU (fp32: no greedy ties) the decode steps of an sla graph are captured as CUDA
     graphs over Inductor's code, the states written in place; tokens equal the reference
     executor's, with every decode shape captured and none run eagerly."""
-    m = compile("preset:tiny-llama", ["sla"], {"sla": {"calib_samples": "2", "calib_seq_len": "32", **window}},
-                eval_tokens=0, progress=False, device="cuda")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in LENGTHS]
-    ref = [list(m.generate_ids(p, GREEDY)) for p in prompts]
+    m, prompts, ref = _case(window, "cuda")
     for kw in ({}, {"max_num_batched_tokens": 24, "max_num_seqs": 2}):
         llm = LLM(m, **kw)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
