@@ -11,8 +11,8 @@ BLOCK_M tokens and BLOCK_N output channels (and, with split-K, one slice of the 
      quantized on the fly, and int8 x int8 tl.dot accumulates in int32, exactly.
   3. the epilogue scales by 1 / inv (per token) and w_scale (per channel), adds the bias and
      stores in x's dtype; with split-K the fp32 partials are added atomically instead.
-One kernel serves decode (BLOCK_M = 16: tl.dot's smallest M; the padding rows cost compute,
-not memory, and decode is memory- and launch-bound) and prefill (larger BLOCK_M tiles).
+This kernel serves prefill and decode batches above GEMV_ROWS tokens (BLOCK_M = 16: tl.dot's
+smallest M); a few tokens take the dp4a GEMV of bitlinear_gemv.py.
 The roundings follow the reference (ops.rms_norm rounds the normalised row to x's dtype, then
 the product with the norm weight to their common dtype; round half to even), so on fp32 input
 the plain op matches the reference bit for bit and the fused one up to codes flipped by the
@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, registered, sm_count
+from llmaccel.kernels.bitlinear_gemv import GEMV_ROWS, bitlinear_gemv
 from llmaccel.ops import bitlinear as ref
 
 try:  # kernels are optional: every non-CUDA path works without triton
@@ -158,7 +159,8 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
     """Triton bitlinear; with eps given, rms_norm_bitlinear (norm_weight may be None).
 
     `config` overrides the tile choice (benchmarks): BLOCK_M >= 16, BLOCK_N >= 16, BLOCK_K a
-    multiple of 64, SPLIT_K, num_warps.
+    multiple of 64, SPLIT_K, num_warps for the tensor-core kernel (any M); BLOCK_N, BLOCK_W
+    (a power of two >= 4), num_warps for the GEMV (M <= GEMV_ROWS).
     """
     K, N = in_features, out_features
     if x.shape[-1] != K or tuple(w_packed.shape) != (N, ref.padded_in(K) // 4) \
@@ -170,6 +172,10 @@ def bitlinear_triton(x, w_packed, w_scale, bias=None, *, in_features: int, out_f
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if 0 < M <= GEMV_ROWS and (config is None or "BLOCK_W" in config):
+        out = bitlinear_gemv(x2, w_packed, w_scale, bias, norm_weight, eps, K=K, N=N,
+                             interpreted=_INTERPRETED, config=config)
+        return out.reshape(*x.shape[:-1], N)
     cfg = dict(config or default_config(M, N, K, sm_count(x.device)))
     split = cfg.pop("SPLIT_K", 1)
     kp = ref.padded_in(K)

@@ -108,6 +108,32 @@ def test_split_k_interpreter(kb):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gemv_chunks_and_ragged_rows(kb, M, fused):
+    """The decode GEMV (M <= GEMV_ROWS) over K in several chunks (BLOCK_W = 4 words: 64
+    columns a chunk), a ragged last row tile and K not a multiple of 64, on fresh inputs."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    x, p, s, b, nw = make(M, 37, 300, seed=seed)
+    cfg = dict(BLOCK_N=8, BLOCK_W=4, num_warps=4)
+    if fused:
+        out = kb.bitlinear_triton(x, p, s, b, in_features=300, out_features=37, norm_weight=nw,
+                                  eps=1e-6, config=cfg)
+        ref = bo.rms_norm_bitlinear(x, nw, p, s, b, eps=1e-6, in_features=300, out_features=37)
+    else:
+        out = kb.bitlinear_triton(x, p, s, b, in_features=300, out_features=37, config=cfg)
+        ref = bo.bitlinear(x, p, s, b, in_features=300, out_features=37)
+    check(out, ref, x, s, torch.float32, fused=fused, nw=nw if fused else None)
+
+
+def test_gemv_config_fills_the_gpu():
+    from llmaccel.kernels.bitlinear_gemv import MAX_BLOCK_W, gemv_config
+    for K, N in [(2048, 2048), (2048, 3072), (8192, 2048), (11008, 4096), (576, 960)]:
+        cfg = gemv_config(1, N, K, 132)
+        assert cfg["BLOCK_W"] <= MAX_BLOCK_W and cfg["BLOCK_W"] & (cfg["BLOCK_W"] - 1) == 0
+        assert -(-N // cfg["BLOCK_N"]) >= 2 * 132 or cfg["BLOCK_N"] == 1
+
+
 def test_custom_ops_on_cpu_are_the_reference(kb):
     x, p, s, b, nw = make(3, 16, 64)
     torch.testing.assert_close(torch.ops.llmaccel.bitlinear(x, p, s, b, in_features=64, out_features=16),
@@ -141,7 +167,7 @@ def test_lowering_maps_ir_ops_to_custom_ops():
 
 # --- GPU, real shapes: SmolLM2-135M (576 x 1536) and Llama-3.2-1B (2048 x 8192) -------------------
 
-GPU_SHAPES = [(576, 1536), (1536, 576), (2048, 8192), (8192, 2048)]   # (K, N)
+GPU_SHAPES = [(576, 1536), (1536, 576), (2048, 8192), (8192, 2048), (11008, 4096)]   # (K, N)
 
 
 @pytest.mark.cuda
