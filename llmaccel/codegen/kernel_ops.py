@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-import warnings
+import sys
 
 import torch
 import torch.fx
@@ -15,7 +15,8 @@ import torch.fx
 def load_kernel_modules() -> dict[str, str]:
     """Import every module of llmaccel.kernels once, so their custom ops are registered.
 
-    Returns {module: "ok" | error}; a module that fails to import only loses its ops.
+    Returns {module: "ok" | error}; a module that fails to import only loses its ops. What is
+    slower for it is said once per process, on one line of stderr.
     """
     loaded: dict[str, str] = {}
     try:
@@ -28,10 +29,28 @@ def load_kernel_modules() -> dict[str, str]:
             importlib.import_module(name)
             loaded[info.name] = "ok"
         except Exception as e:  # e.g. a Triton build that lacks a feature: keep the reference
-            loaded[info.name] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"llmaccel: kernel module {name} failed to import ({e}); "
-                          f"its ops stay on the reference path")
+            first = (str(e).splitlines() or [""])[0]
+            loaded[info.name] = f"{type(e).__name__}: {first}"
+    notice = _slower_notice(loaded)
+    if notice:
+        print(f"llmaccel: {notice}", file=sys.stderr)
     return loaded
+
+
+def _slower_notice(loaded: dict[str, str]) -> str | None:
+    """What runs slower in this process than with every kernel module and triton, or None."""
+    failed = [name for name, status in loaded.items() if status != "ok"]
+    if failed:
+        return (f"kernel modules {', '.join(failed)} did not import ({loaded[failed[0]]}); "
+                f"their ops run the torch references, slower")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        # The CPU paths never use triton; on CUDA every kernel op falls back to its reference.
+        if torch.cuda.is_available():
+            return ("triton is not installed: on CUDA the attention, quantized and fused linears, "
+                    "norms and sampling run their torch references, slower (pip install triton)")
+    return None
 
 
 def custom_op(namespace: str, name: str):

@@ -33,8 +33,7 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, device_index, device_name, registered, sm_count
-from llmaccel.kernels.int_codes import (epilogue, epilogue_serial, finish, int4_tile, int4_words,
-                                        interleave8, out_buffer, packed_words, rows_of, x8)
+from llmaccel.kernels.int_codes import finish, out_buffer, packed_words, rows_of
 from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
     GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config)
 from llmaccel.ops import quant as ref
@@ -44,6 +43,10 @@ try:
     import triton.language as tl
 except ImportError:  # the reference paths work without triton
     triton = None
+
+if triton is not None:  # int_codes defines its jit building blocks only with triton
+    from llmaccel.kernels.int_codes import (epilogue, epilogue_serial, int4_tile, int4_words,
+                                            interleave8, x8)
 
 
 if triton is not None:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, device_name, registered, sm_count
-from llmaccel.kernels.int_codes import byte, epilogue, finish, out_buffer, packed_words, rows_of
+from llmaccel.kernels.int_codes import finish, out_buffer, packed_words, rows_of
 from llmaccel.kernels.quant_linear_configs import GEMV_MAX_M, _pow2, int8_config
 from llmaccel.ops import quant as ref
 
@@ -21,6 +21,9 @@ try:
     import triton.language as tl
 except ImportError:  # the reference paths work without triton
     triton = None
+
+if triton is not None:  # int_codes defines its jit building blocks only with triton
+    from llmaccel.kernels.int_codes import byte, epilogue
 
 
 if triton is not None:
