@@ -23,7 +23,7 @@ from llmaccel.export.exporter import export
 from llmaccel.export.runtime import OnnxModel, genai_greedy
 from llmaccel.sampling import SamplingParams
 
-WIKI = Path(__file__).resolve().parents[1] / "data" / "wikitext2" / "wiki.test.raw"
+WIKI = Path(__file__).resolve().parents[1] / "llmaccel" / "data" / "wikitext2" / "wiki.test.raw"
 PROMPT = "Once upon a time, in a small village,"
 
 

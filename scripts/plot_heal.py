@@ -2,7 +2,7 @@
 sparsity of healed artifacts.
 
     python scripts/plot_heal.py out/a/report.json out/b/report.json -o docs/heal.png
-    python scripts/plot_heal.py --sparsity out/relu out/drelu --text data/wikitext2/wiki.test.raw
+    python scripts/plot_heal.py --sparsity out/relu out/drelu --text llmaccel/data/wikitext2/wiki.test.raw
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ if __name__ == "__main__":
     ap.add_argument("paths", nargs="+")
     ap.add_argument("-o", "--output", default="docs/heal.png")
     ap.add_argument("--sparsity", action="store_true", help="paths are relu artifacts: measure sparsity")
-    ap.add_argument("--text", default="data/wikitext2/wiki.test.raw")
+    ap.add_argument("--text", default="llmaccel/data/wikitext2/wiki.test.raw")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     if a.sparsity:

@@ -14,7 +14,7 @@ from llmaccel.eval.text import file_tokens
 from llmaccel.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
-WIKI = Path(__file__).resolve().parents[1] / "data" / "wikitext2" / "wiki.test.raw"
+WIKI = Path(__file__).resolve().parents[1] / "llmaccel" / "data" / "wikitext2" / "wiki.test.raw"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of",
            "In 1969, the first humans", "To make a cup of tea, you", "Machine learning is a field that"]

@@ -137,7 +137,7 @@ def _w4_compile(o: Options, row: str) -> list[Job]:
     windows of wikitext2's first half; a preset reads the text as bytes: the time does not depend
     on the weights), on the suite's device; its report.json holds the pass's seconds."""
     argv = ("-m", "llmaccel.cli", "compile", SMALL_SRC if o.small else "preset:smollm2-135m",
-            "--device", o.device, "--passes", "quant", "--calib", "data/wikitext2/wiki.test.raw",
+            "--device", o.device, "--passes", "quant", "--calib", "llmaccel/data/wikitext2/wiki.test.raw",
             "--calib-split", "first-half", "--eval-tokens", "0", "-o", str(o.out / "w4_compile"), "--force")
     return [Job(row, "compile_w4_smollm2-135m", argv, 240, result="w4_compile/report.json")]
 

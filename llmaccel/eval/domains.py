@@ -1,5 +1,6 @@
 """Quality on several domains: perplexity, and KL / top-1 against the source, on wikitext2's
-second half and on texts of other domains (data/*/README.md give their sources and licences).
+second half and on texts of other domains (llmaccel/data/*/README.md give their sources and
+licences).
 
 None of these texts is ever used for calibration or training: calibration reads wikitext2's
 first half. Models are plain forward callables `logits = f(ids)` (ids (B, T)), so a pass can
@@ -18,9 +19,9 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import read_split, text_encoder
 from llmaccel.ir import positions
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"   # package data (pyproject)
 
-# name -> (file under data/, split): the evaluation text of each domain
+# name -> (file under llmaccel/data/, split): the evaluation text of each domain
 DOMAINS: dict[str, tuple[str, str]] = {
     "wikitext2": ("wikitext2/wiki.test.raw", "second-half"),
     "python-code": ("python-code/stdlib.py.txt", "all"),

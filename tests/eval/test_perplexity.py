@@ -106,3 +106,19 @@ def test_a_model_past_exp_range_reports_inf_ppl_not_an_error():
     q = held_out_quality(m.gm, src.gm, ids[:32].view(2, 16), 2)
     assert q["ppl"] == math.inf and q["delta_ppl_pct"] == math.inf and math.isfinite(q["kl"])
     assert ppl_of(1.0) == pytest.approx(math.e)
+
+
+def test_domain_texts_ship_inside_the_package():
+    """The evaluation texts are package data (a wheel has no checkout around it)."""
+    import tomllib
+    from pathlib import Path
+
+    import llmaccel
+    from llmaccel.eval.domains import DATA_DIR, DOMAINS
+
+    pkg = Path(llmaccel.__file__).resolve().parent
+    assert DATA_DIR.resolve().parent == pkg
+    globs = tomllib.loads((pkg.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["llmaccel"]
+    for rel, _ in DOMAINS.values():
+        path = DATA_DIR / rel
+        assert path.is_file() and any(path.relative_to(pkg).match(g) for g in globs), rel

@@ -81,7 +81,7 @@ def test_real_fit_lowers_kl_on_python_code():
     opts = {"kv_heads": "1", "calib_samples": "4", "calib_seq_len": "128", "fit": "true",
             "fit_samples": "6", "fit_seq_len": "128", "fit_report_tokens": "128",
             "fit_qkv_steps": "0"}   # W_o only: the q/k/v fit doubles the time (test_gqa_fit.py checks it)
-    m = compile("smollm2-135m", ["gqa"], {"gqa": opts}, calib="data/wikitext2/wiki.test.raw",
+    m = compile("smollm2-135m", ["gqa"], {"gqa": opts}, calib="llmaccel/data/wikitext2/wiki.test.raw",
                 calib_split="first-half", eval_tokens=0, progress=False)
     res = m.report["passes"][0]["stats"]["fit"]["quality"]["python-code"]
     assert res["tokens"] == 127

@@ -166,7 +166,7 @@ def test_sampling_apart_does_not_run_the_callers_script_again(tmp_path):
         "print('BODY', flush=True)\n"
         "m = llmaccel.compile('preset:tiny-llama', ['relu', 'heal'], {'heal': {'steps': '6', "
         "'refresh': '8', 'refresh_in': 'process', 'seq_len': '16', 'batch': '2', 'eval_windows': '2', "
-        f"'domain_tokens': '0'}}}}, calib={str(Path('data/wikitext2/wiki.test.raw').resolve())!r}, progress=False)\n"
+        f"'domain_tokens': '0'}}}}, calib={str(Path('llmaccel/data/wikitext2/wiki.test.raw').resolve())!r}, progress=False)\n"
         "print('ERROR', m.report['passes'][-1]['stats'].get('refresh_error'))\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path)
@@ -265,7 +265,7 @@ def test_compile_starts_sampling_apart_before_the_first_pass_and_stops_it_when_a
     monkeypatch.setattr(relu, "run", relu_run)
     opts = {"heal": {"steps": "2", "seq_len": "16", "batch": "2", "eval_windows": "2", "domain_tokens": "0",
                      "refresh": "4", "refresh_in": "process"}}
-    calib = "data/wikitext2/wiki.test.raw"
+    calib = "llmaccel/data/wikitext2/wiki.test.raw"
     m = llmaccel.compile(SRC, ["relu", "heal"], opts, calib=calib, progress=False, sampler=apart)
     st = m.report["passes"][-1]["stats"]
     assert stopped.is_set() and st["refresh_in"] == "process" and st["refresh_first_step"] == 0

@@ -138,7 +138,7 @@ def test_real_smollm2_kv4_matches_executor():
     greedy tokens each, batched, identical to the reference executor (whose one-token-at-a-time
     generation takes most of this test's time)."""
     m = compile("smollm2-135m", ["kvquant"], {"kvquant": {"bits": 4}}, eval_tokens=0, progress=False)
-    with open(Path(__file__).resolve().parents[2] / "data" / "wikitext2" / "wiki.test.raw") as f:
+    with open(Path(__file__).resolve().parents[2] / "llmaccel" / "data" / "wikitext2" / "wiki.test.raw") as f:
         ids = m.encode(f.read(20000))
     prompts = [ids[a: a + n] for a, n in ((0, 30), (400, 170), (700, 200))]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
