@@ -120,10 +120,12 @@ def cmd_generate(a) -> None:
 
 def cmd_export(a) -> None:
     from llmaccel.compiler.model import load
-    from llmaccel.export.exporter import export
+    from llmaccel.export.exporter import check_export_output, export
 
+    check_export_output(a.output, a.force, "--force")  # before loading the model, not after
     # Read in fp32 on the CPU; the weights are cast to the export dtype as they are written.
-    out = export(load(a.src, dtype="float32", device="cpu"), a.output, fmt=a.format, dtype=a.dtype)
+    out = export(load(a.src, dtype="float32", device="cpu"), a.output, fmt=a.format, dtype=a.dtype,
+                 force=a.force)
     print(f"wrote {out} ({a.format}, {a.dtype})")
 
 
@@ -224,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--format", default="genai", choices=["genai", "onnx"],
                    help="genai: contrib ops and genai_config.json; onnx: the standard opset only")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, help="export folder (new, empty, or an "
+                                                          "export to replace with --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing export at -o")
     p.set_defaults(fn=cmd_export, dtype="float32", device="cpu")
 
     p = sub.add_parser("show", help="print the IR: op counts and the graph")

@@ -40,18 +40,20 @@ def is_artifact(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def check_output(path, force: bool = False, force_flag: str = "force=True") -> None:
-    """Refuse an output path before any work: a file, a non-empty folder that is not an
-    artifact, or an artifact unless `force`; an unwritable place."""
+def check_output(path, force: bool = False, force_flag: str = "force=True", *, kind: str = "artifact",
+                 is_kind=is_artifact) -> None:
+    """Refuse an output path before any work: a file, a non-empty folder that is not of this
+    kind (`is_kind(path)`: an artifact, or an export), or one of this kind unless `force`; an
+    unwritable place."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise LlmaccelError(f"{path} is an existing file; an artifact is a folder: choose another path")
+        raise LlmaccelError(f"{path} is an existing file; an {kind} is a folder: choose another path")
     if path.is_dir() and any(path.iterdir()):
-        if not is_artifact(path):
+        if not is_kind(path):
             raise LlmaccelError(f"{path} is a folder with other files in it, not an llmaccel "
-                                f"artifact: choose an empty or new folder")
+                                f"{kind}: choose an empty or new folder")
         if not force:
-            raise LlmaccelError(f"{path} holds an artifact already; {force_flag} replaces it")
+            raise LlmaccelError(f"{path} holds an {kind} already; {force_flag} replaces it")
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

@@ -4,6 +4,9 @@
     llmaccel_export.json           config, format, dtype and how the folder was made
     tokenizer files                copied from the source
     genai_config.json              --format genai only (ONNX Runtime GenAI's loader reads it)
+
+Written whole or not at all (compiler/atomic.py), as artifacts are; llmaccel_export.json with
+model.onnx marks a folder as an export, which only force=True replaces.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import onnx
 import torch
 from onnx import TensorProto
 
+from llmaccel.compiler.artifact import check_output
+from llmaccel.compiler.atomic import atomic_dir
 from llmaccel.compiler.model import Model, get_attr
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
@@ -120,8 +125,17 @@ def build(model: Model, fmt: str, dtype: torch.dtype, out: Path) -> tuple[onnx.M
     return b.model(OPSET, "llmaccel"), facts
 
 
-def export(model: Model, out, *, fmt: str = "genai", dtype: str | torch.dtype = "float32") -> Path:
-    """Write `model` (any IR graph) as an ONNX folder; returns the folder."""
+def check_export_output(path, force: bool = False, force_flag: str = "force=True") -> None:
+    """Refuse, before any work, an output that is a file, a non-empty folder that is not an
+    export, or an export unless `force`."""
+    check_output(path, force, force_flag, kind="export", is_kind=is_export_dir)
+
+
+def export(model: Model, out, *, fmt: str = "genai", dtype: str | torch.dtype = "float32",
+           force: bool = False) -> Path:
+    """Write `model` (any IR graph) as an ONNX folder; returns the folder. Written whole or not
+    at all: a previous export at `out` is replaced only with force=True, once the new one is
+    complete."""
     from llmaccel.compiler.model import parse_dtype
 
     if fmt not in FORMATS:
@@ -131,7 +145,13 @@ def export(model: Model, out, *, fmt: str = "genai", dtype: str | torch.dtype = 
         raise LlmaccelError(f"export dtype {dt} is not supported (ONNX Runtime's CPU kernels have "
                             f"no bfloat16 matmuls); use float32 or float16")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_export_output(out, force)
+    with atomic_dir(out) as tmp:
+        _write_files(model, tmp, fmt, dt)
+    return out
+
+
+def _write_files(model: Model, out: Path, fmt: str, dt: torch.dtype) -> None:
     t0 = time.perf_counter()
     proto, facts = build(model, fmt, dt, out)
     path = out / MODEL_FILE
@@ -146,7 +166,6 @@ def export(model: Model, out, *, fmt: str = "genai", dtype: str | torch.dtype = 
         from llmaccel.export.genai_config import write_genai_config
 
         write_genai_config(out, model, manifest)
-    return out
 
 
 def copy_tokenizer(model: Model, out: Path) -> None:

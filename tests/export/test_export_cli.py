@@ -37,3 +37,35 @@ def test_bad_exports_are_one_line(capsys, tmp_path, argv, match):
     code, out, err = run(capsys, "export", str(art), "-o", str(tmp_path / "out"), *argv)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and match in lines[0], err
+
+
+def _one_line_error(capsys, argv, match):
+    code, out, err = run(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and match in lines[0] and "Traceback" not in err, err
+
+
+def test_export_output_is_refused_or_replaced_as_compile_does(capsys, tmp_path, monkeypatch):
+    from llmaccel.export import exporter
+
+    out = tmp_path / "e"
+    argv = ["export", "preset:tiny-llama", "--format", "onnx", "-o", str(out)]
+    (tmp_path / "file").write_text("x")
+    _one_line_error(capsys, argv[:-1] + [str(tmp_path / "file")], "is an existing file")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    _one_line_error(capsys, argv[:-1] + [str(tmp_path / "other")], "not an llmaccel export")
+    _one_line_error(capsys, argv[:-1] + [str(tmp_path / "other"), "--force"], "not an llmaccel export")
+    assert run(capsys, *argv)[0] == 0
+    _one_line_error(capsys, argv, "holds an export already; --force replaces it")
+
+    def killed(*a, **k):  # the process ends mid-export, after the weights were written
+        raise KeyboardInterrupt
+    monkeypatch.setattr(exporter.onnx.checker, "check_model", killed)
+    assert run(capsys, *argv[:3], "genai", *argv[4:], "--force")[0] == 130
+    assert json.loads((out / "llmaccel_export.json").read_text())["format"] == "onnx"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "file", "other"]  # no temporary left
+    monkeypatch.undo()
+    assert run(capsys, *argv[:3], "genai", *argv[4:], "--force")[0] == 0
+    assert json.loads((out / "llmaccel_export.json").read_text())["format"] == "genai"
+    assert (out / "genai_config.json").exists()
