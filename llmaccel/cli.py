@@ -17,13 +17,34 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve_device(a) -> None:
-    """--device / --dtype auto, the same defaults as LLM() and llmc bench."""
-    import torch
+    """--device / --dtype auto, the same defaults as LLM() and llmc bench; a device this
+    machine lacks is refused here, before any model is read."""
+    from llmaccel.compiler.model import resolve_device
 
-    if getattr(a, "device", None) == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if getattr(a, "device", None) is not None:
+        a.device = resolve_device(a.device)
     if getattr(a, "dtype", None) == "auto":
         a.dtype = "bfloat16" if str(a.device).startswith("cuda") else "float32"
+
+
+def check_model_flag(value: str | None, flag: str) -> None:
+    """A model named by a flag other than SRC (--baseline): a typo is refused under the flag's
+    name before any model loads."""
+    from llmaccel.compiler.sources import names_a_source, sources_hint
+
+    if value is not None and not names_a_source(value):
+        raise LlmaccelError(f"{flag}: unknown model {value!r}; {sources_hint()}")
+
+
+def check_draft(value: str | None) -> None:
+    """--speculative of generate, bench and serve: ngram, self[:...] (the engine reads its
+    kind), or a draft model that exists."""
+    from llmaccel.compiler.sources import names_a_source, sources_hint
+
+    if value is None or value == "ngram" or value.startswith("self") or names_a_source(value):
+        return
+    raise LlmaccelError(f"--speculative: unknown draft {value!r}; use ngram, self, self:N, "
+                        f"self:int8, self:int4 or a draft model ({sources_hint()})")
 
 
 def cmd_compile(a) -> None:
@@ -33,6 +54,7 @@ def cmd_compile(a) -> None:
     from llmaccel.passes.base import parse_sets
 
     check_output(a.output, a.force, "--force")  # before minutes of compiling, not after
+    check_model_flag(a.baseline, "--baseline")
     if a.eval_tokens is not None and a.eval_tokens < 0:
         raise LlmaccelError(f"--eval-tokens must be >= 0, got {a.eval_tokens}")
     from llmaccel.runtime.windows import sample_windows
@@ -66,6 +88,7 @@ def cmd_eval(a) -> None:
     if a.max_tokens is not None and a.max_tokens < 2:
         raise LlmaccelError(f"--max-tokens must be at least 2 (one token and its successor), "
                             f"got {a.max_tokens}")
+    check_model_flag(a.baseline, "--baseline")
     model = _load(a.src, a)
     baseline = _load(a.baseline, a) if a.baseline else None
     if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
@@ -88,11 +111,14 @@ def cmd_generate(a) -> None:
     from llmaccel.runtime.engine import LLM
     from llmaccel.sampling import SamplingParams
 
+    if a.max_new_tokens < 1:  # the API's max_tokens=0 (no output) is no use on the command line
+        raise LlmaccelError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             max_tokens=a.max_new_tokens, seed=a.seed, ignore_eos=a.ignore_eos,
                             stop=a.stop or None)
     if a.num_speculative_tokens < 1:
         raise LlmaccelError(f"--num-speculative-tokens must be >= 1, got {a.num_speculative_tokens}")
+    check_draft(a.speculative)
     model = _load(a.src, a)
     # An exported folder generates through onnxruntime; anything else through the engine.
     onnx = model.gm is None
@@ -266,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     except LlmaccelError as e:
         if a.debug:
             raise
-        print(f"llmc: error: {_as_flags(str(e), getattr(a, 'flags', {}))}", file=sys.stderr)
+        flags = {"device": "--device", **getattr(a, "flags", {})}
+        print(f"llmc: error: {_as_flags(str(e), flags)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("llmc: interrupted", file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ class SamplingParams:
             raise LlmaccelError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not self.temperature >= 0:  # NaN too
             raise LlmaccelError(f"temperature must be >= 0, got {self.temperature}")
+        if math.isinf(self.temperature):  # logits / inf are 0, or NaN where a filter put -inf
+            raise LlmaccelError(f"temperature must be finite, got {self.temperature}")
         if not 0 <= self.top_k < 1 << 31:  # the sampler holds it in an int64 tensor, kernels in int32
             raise LlmaccelError(f"top_k must be in 0..{(1 << 31) - 1}, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -92,7 +92,7 @@ def test_passes_lists_options(capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["generate", "preset:tiny-llama", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+    (["generate", "preset:tiny-llama", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
     (["generate", "preset:tiny-llama", "--prompt", "x", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
     (["generate", "preset:tiny-llama", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
     (["generate", "preset:tiny-llama", "--prompt", "x", "--num-speculative-tokens", "0"],

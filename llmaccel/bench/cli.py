@@ -12,8 +12,10 @@ def _bool_or_auto(v: str) -> bool | None:
 
 def cmd_bench(a) -> None:
     from llmaccel.bench.run import bench, render
+    from llmaccel.cli import check_draft
     from llmaccel.passes.base import parse_sets
 
+    check_draft(a.speculative)
     res = bench(a.src, batch=a.batch, prompt_len=a.prompt_len, gen_len=a.gen_len, dtype=a.dtype,
                 device=a.device, passes=a.passes, options=parse_sets(a.set), temperature=a.temperature,
                 top_p=a.top_p, top_k=a.top_k, warmup=a.warmup, measure_bw=not a.no_bw,
@@ -52,7 +54,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-bw", action="store_true", help="skip measuring the copy bandwidth")
     p.add_argument("--no-profile", action="store_true", help="skip the per-step kernel profile (CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.set_defaults(fn=cmd_bench)
+    p.set_defaults(fn=cmd_bench, flags={"temperature": "--temperature", "top_k": "--top-k",
+                                        "top_p": "--top-p"})
 
 
 def main(argv=None) -> int:

@@ -184,20 +184,17 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs. Prefix
     caching is off unless asked for: every run repeats the same prompts, which it would
     otherwise find cached, and the peers compute their whole prefill."""
+    from llmaccel.compiler.model import resolve_device
     from llmaccel.compiler.pipeline import compile as compile_model
     from llmaccel.runtime.engine import LLM
     from llmaccel.sampling import SamplingParams
 
-    if min(batch, prompt_len, gen_len) < 1:
-        raise LlmaccelError(f"--batch, --prompt-len and --gen-len must be positive "
-                            f"(got {batch}, {prompt_len}, {gen_len})")
-    if warmup < 0 or spec_k < 1:
-        raise LlmaccelError(f"--warmup must be >= 0 and --spec-k >= 1 (got {warmup}, {spec_k})")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    for flag, value, least in (("--batch", batch, 1), ("--prompt-len", prompt_len, 1),
+                               ("--gen-len", gen_len, 1), ("--warmup", warmup, 0), ("--spec-k", spec_k, 1)):
+        if value < least:
+            raise LlmaccelError(f"{flag} must be >= {least}, got {value}")
+    device = resolve_device(device)
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LlmaccelError("--device cuda given but no CUDA device is available")
     if dtype == "auto":
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
     sp = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=gen_len,

@@ -29,6 +29,27 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_device(name: str | torch.device) -> str:
+    """The device to run on: "auto" is CUDA when present, else the CPU. A device this machine
+    lacks, or no device at all, is refused in one line before anything is loaded onto it."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise LlmaccelError(f"device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise LlmaccelError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LlmaccelError(f"device {str(name)!r} needs CUDA, and torch finds no CUDA device "
+                                f"here; use cpu (or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise LlmaccelError(f"device {str(name)!r}: this machine has {torch.cuda.device_count()} "
+                                f"CUDA device(s)")
+    return str(dev)
+
+
 def get_attr(gm: nn.Module, target: str) -> torch.Tensor:
     obj = gm
     for part in target.split("."):

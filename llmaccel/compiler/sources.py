@@ -44,6 +44,20 @@ def known_sources() -> list[str]:
     return list(BUILTIN) + [f"preset:{p}" for p in PRESETS]
 
 
+def sources_hint() -> str:
+    """What may name a model, for the messages that refuse a name."""
+    return (f"known: {', '.join(known_sources())}, or a path to an HF directory, a .gguf file or "
+            f"an artifact")
+
+
+def names_a_source(src: str) -> bool:
+    """Whether `src` names something resolve() reads (a built-in name, a known preset, an
+    existing path): a flag other than SRC refuses a typo under its own name before any loading."""
+    if src.startswith("preset:"):
+        return src.split(":", 1)[1] in PRESETS
+    return src in BUILTIN or Path(src).exists()
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LLMACCEL_CACHE") or Path.home() / ".cache" / "llmaccel")
 
@@ -159,5 +173,4 @@ def resolve(src: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> So
     if p.exists():
         raise LlmaccelError(f"{src}: not a model (expected an HF directory with config.json, "
                             f"an llmaccel artifact or a .gguf file)")
-    raise LlmaccelError(f"unknown model {src!r}; known: {', '.join(known_sources())}, "
-                        f"or a path to an HF directory, a .gguf file or an artifact")
+    raise LlmaccelError(f"unknown model {src!r}; {sources_hint()}")
