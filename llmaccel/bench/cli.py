@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32 | float16")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    p.add_argument("--passes", default="fuse", help="passes run first (default: fuse)")
+    p.add_argument("--passes", default="fuse", help="passes run first (default: fuse); on an "
+                                                    "artifact, those it has not run already")
     p.add_argument("--set", action="append", default=[], metavar="PASS.KEY=VALUE")
     p.add_argument("--cuda-graphs", default="on", choices=["on", "off"], help="decode steps as CUDA graphs")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],

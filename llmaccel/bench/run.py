@@ -16,6 +16,7 @@ import json
 import resource
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -174,6 +175,24 @@ def _timed(fn, device) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
+def passes_to_run(src: str, passes, options: dict | None = None) -> list[str]:
+    """The passes the bench runs on `src`: those asked for, less any that an artifact has run
+    already (its recipe), so that an artifact is measured as it was compiled."""
+    from llmaccel.compiler.artifact import is_artifact, read_manifest
+    from llmaccel.compiler.pipeline import parse_pass_list
+
+    names = parse_pass_list(passes)
+    if not is_artifact(src):
+        return names
+    recipe = read_manifest(Path(src)).get("recipe")
+    done = {p.get("name") for p in recipe if isinstance(p, dict)} if isinstance(recipe, list) else set()
+    for name in options or {}:
+        if name in done:
+            raise LlmaccelError(f"{src} has run {name} already and the bench does not run it "
+                                f"again; drop --set {name}.*")
+    return [n for n in names if n not in done]
+
+
 def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256, dtype="auto",
           device="auto", passes="fuse", options: dict | None = None, temperature: float = 0.0,
           top_p: float = 1.0, top_k: int = 0, warmup: int = 2, measure_bw: bool = True,
@@ -200,8 +219,8 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     sp = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=gen_len,
                          ignore_eos=True, seed=seed + i) for i in range(batch)]
     t0 = time.perf_counter()
-    model = compile_model(src, passes, options or {}, dtype=dtype, device=device, eval_tokens=0,
-                          progress=False)
+    model = compile_model(src, passes_to_run(src, passes, options), options or {}, dtype=dtype,
+                          device=device, eval_tokens=0, progress=False)
     load_s = time.perf_counter() - t0
     if prompt is not None:
         ids = [model.encode(prompt)] * batch

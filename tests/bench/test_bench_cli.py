@@ -32,6 +32,20 @@ def test_bench_through_llmc_when_wired(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["passes"] == []
 
 
+def test_bench_runs_on_an_artifact_only_the_passes_it_lacks(capsys, tmp_path):
+    from llmaccel.compiler.pipeline import compile
+
+    art = tmp_path / "fused"
+    compile("preset:tiny-llama", ["fuse"], eval_tokens=0, progress=False).save(art)
+    short = [str(art), "--prompt-len", "4", "--gen-len", "2", "--warmup", "0", "--no-bw", "--json"]
+    for extra in ([], ["--passes", ""]):  # the default --passes fuse is not run a second time
+        assert bench_cli.main([*short, *extra]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert json.loads(out[-1])["passes"] == ["fuse"] and "(passes: fuse;" in out[0]
+    assert bench_cli.main([*short, "--set", "fuse.norms=false"]) == 2
+    assert "has run fuse already" in capsys.readouterr().err
+
+
 def test_bench_rejects_bad_sizes(capsys):
     assert bench_cli.main(["preset:tiny-llama", "--batch", "0", "--json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
