@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, device_index, device_name, registered, sm_count
-from llmaccel.kernels.int_codes import finish, out_buffer, packed_words, rows_of
+from llmaccel.kernels.int_codes import cpu_act_dtype, finish, out_buffer, packed_words, rows_of
 from llmaccel.kernels.quant_linear_configs import (  # noqa: F401  (re-exported)
     GEMV_MAX_M, TUNED, _pow2, batch_bucket, int4_config, int8_config)
 from llmaccel.ops import quant as ref
@@ -404,13 +404,15 @@ def prepare_int4_cpu(qweight, scales, zeros, group_size: int):
 
 
 def linear_int4_cpu(x, packed, scales_and_zeros, bias=None, *, group_size: int):
-    """x @ W.T (+ bias) with W held as prepare_int4_cpu's output; aten's CPU int4 GEMM."""
+    """x @ W.T (+ bias) with W held as prepare_int4_cpu's output; aten's CPU int4 GEMM, in
+    cpu_act_dtype(x), the output in x's dtype."""
     kp = 2 * packed.shape[1]
-    x2 = x.reshape(-1, x.shape[-1])
+    dt = cpu_act_dtype(x)
+    x2 = x.reshape(-1, x.shape[-1]).to(dt)
     if x2.shape[-1] != kp:
         x2 = torch.nn.functional.pad(x2, (0, kp - x2.shape[-1]))
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, group_size,
-                                                   scales_and_zeros.to(x.dtype))
+                                                   scales_and_zeros.to(dt)).to(x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], packed.shape[0])

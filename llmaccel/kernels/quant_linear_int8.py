@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, device_name, registered, sm_count
-from llmaccel.kernels.int_codes import finish, out_buffer, packed_words, rows_of
+from llmaccel.kernels.int_codes import cpu_act_dtype, finish, out_buffer, packed_words, rows_of
 from llmaccel.kernels.quant_linear_configs import GEMV_MAX_M, _pow2, int8_config
 from llmaccel.ops import quant as ref
 
@@ -150,8 +150,10 @@ def linear_int8_cpu(x, qweight, scales, bias=None):
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or qweight.dtype != torch.int8 \
             or x.shape[-1] % 8:
         return ref.linear_int8(x, qweight, scales, bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qweight.contiguous(), scales.to(x.dtype))
+    dt = cpu_act_dtype(x)   # bf16 for fp32 x: aten's fp32 path is ~14x slower
+    x2 = x.reshape(-1, x.shape[-1]).to(dt)
+    y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qweight.contiguous(),
+                                           scales.to(dt)).to(x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], qweight.shape[0])

@@ -177,8 +177,9 @@ def test_custom_ops_on_cpu_match_the_reference(ql):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", [(1, 40, 64), (5, 96, 576), (2, 3, 7)])
 def test_int8_cpu_kernel_matches_the_reference(M, N, K, dtype):
-    # CPU int8 = aten's int8 weight-only GEMM: fp32 sums scaled once per row. Tolerance: fp32
-    # rounding in fp32; in bf16 the reference rounds the dequantized weight and the output to
+    # CPU int8 = aten's int8 weight-only GEMM: fp32 sums scaled once per row, x and the scales in
+    # bf16 (cpu_act_dtype: fp32 x is rounded to bf16, 2^-9 relative each, so 2^-8 of the
+    # output's magnitude); in bf16 the reference rounds the dequantized weight and the output to
     # bf16 (2^-8 relative each), so allow a few bf16 roundings of the output's magnitude.
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
@@ -188,7 +189,7 @@ def test_int8_cpu_kernel_matches_the_reference(M, N, K, dtype):
     out = torch.ops.llmaccel.linear_int8(x, q8, s8, b)
     want = qo.linear_int8(x.double(), q8, s8.double(), b.double())
     assert out.dtype == dtype and out.shape == (2, M, N)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    tol = 2 ** -8 if dtype == torch.float32 else 2 ** -6
     scale = (x.double().abs() @ (q8.double().abs() * s8.double()[:, None]).T).amax() + 1
     assert ((out.double() - want).abs() <= tol * scale).all()
 
@@ -288,16 +289,18 @@ def test_cpu_lowering_calls_the_int8_aten_form_directly():
     pos = torch.arange(9).expand(2, 9)
     ref_out = m.gm(ids, pos, None)
     out = low(ids, pos, None)
-    # fp32: the aten form sums products before scaling, the reference scales the weight first
-    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 * ref_out.abs().max().item())
+    # the aten form runs x in bf16 (cpu_act_dtype) and sums products before scaling, the
+    # reference scales the weight first: a few bf16 roundings of the logits' scale
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2 * ref_out.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,K,gs", [(32, 128, 32), (48, 320, 64), (16, 576, 128)])
 def test_int4_cpu_form_matches_the_reference(N, K, gs, dtype):
     # aten's CPU int4 GEMM on weights converted once (prepare_int4_cpu); K not a multiple of the
-    # group (576 in groups of 128) pads x. Tolerance: fp32 rounding in fp32; in bf16 the float
-    # zero (8 - z) * scale is rounded to bf16 and aten dequantizes in bf16 (2^-8 relative each).
+    # group (576 in groups of 128) pads x. Tolerance: x, the scale and the float zero
+    # (8 - z) * scale are rounded to bf16 (fp32 x too: cpu_act_dtype) and aten dequantizes in
+    # bf16 (2^-8 relative each).
     from llmaccel.kernels.quant_linear import linear_int4_cpu, prepare_int4_cpu
 
     qw, sc, zr = int4_weights(N, K, gs, dtype)
@@ -309,7 +312,7 @@ def test_int4_cpu_form_matches_the_reference(N, K, gs, dtype):
     want = qo.linear_int4(x.double(), qw, sc.double(), zr, b.double(), group_size=gs)
     w = qo.dequantize_int4(qw, sc, zr, gs, torch.float64)[:, :K]
     scale = (x.double().abs() @ w.abs().T).amax() + 1
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    tol = 2 ** -6
     assert out.dtype == dtype and out.shape == (2, 3, N)
     assert ((out.double() - want).abs() <= tol * scale).all()
     assert prepare_int4_cpu(qw[:8], sc[:8], zr[:8], gs) is None  # N not a multiple of 16: op stays
@@ -330,7 +333,8 @@ def test_cpu_lowering_prepares_int4_weights_once():
     ids = torch.randint(0, 512, (2, 9))
     pos = torch.arange(9).expand(2, 9)
     ref_out = m.gm(ids, pos, None)
-    torch.testing.assert_close(low(ids, pos, None), ref_out, rtol=1e-4, atol=1e-4 * ref_out.abs().max().item())
+    # the CPU form runs x in bf16 (cpu_act_dtype): a few bf16 roundings of the logits' scale
+    torch.testing.assert_close(low(ids, pos, None), ref_out, rtol=2e-2, atol=2e-2 * ref_out.abs().max().item())
 
 
 def test_the_dotasm_probe_builds_a_valid_case(ql):
