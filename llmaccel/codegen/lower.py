@@ -53,16 +53,17 @@ def _to_cpu_form(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
                  prepared: dict) -> bool:
     """Retarget `node` to a CPU form; whether it was.
 
-    Without a prepare function fn takes the node's arguments as they are. With one, the node is
-    linear_int4-shaped (x, w0, w1, w2, bias?): prepare converts w0..w2 and fn reads what it
+    form is (None, fn): fn takes the node's arguments as they are; or (prepare, fn, n): the node
+    is (x, w0 .. w{n-1}, bias?) with n stored weights, prepare converts them and fn reads what it
     returns (None: the form does not apply). `prepared` maps the stored weights' names to
     their converted tensors, so several lowerings of one model (prefill, decode) share one copy.
     """
-    prepare, fn = form
+    prepare, fn = form[:2]
     if prepare is None:
         retarget(node, fn)
         return True
-    stored = node.args[1:4]
+    n = form[2]
+    stored = node.args[1:1 + n]
     if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in stored):
         return False
     key = (prepare, tuple(a.target for a in stored))
@@ -77,7 +78,7 @@ def _to_cpu_form(new: torch.fx.GraphModule, node: torch.fx.Node, form, rep,
         for j, t in enumerate(out):
             set_weight(new, f"_cpu{i}.w{j}", t)
             attrs.append(new.graph.get_attr(f"_cpu{i}.w{j}"))
-    bias = node.args[4] if len(node.args) > 4 else None
+    bias = node.args[1 + n] if len(node.args) > 1 + n else None
     node.args = (node.args[0], *attrs, bias)
     retarget(node, fn)
     for a in stored:  # the stored form stays on the model; this graph no longer reads it

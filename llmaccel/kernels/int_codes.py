@@ -142,10 +142,10 @@ def packed_words(q: torch.Tensor) -> torch.Tensor:
     return w.view(torch.int32)
 
 
-def cpu_act_dtype(x: torch.Tensor) -> torch.dtype:
-    """The activation dtype aten's CPU weight-only GEMMs (int4 and int8) run in: bf16 for fp32
-    x. Their fp32 paths are scalar loops: on a 2-core AVX-512 CPU at one row, 576 x 1536 int4 took
-    809 us in fp32 against 45 us in bf16 (fp32 F.linear: 81 us), int8 493 against 36 us. The
-    products are still summed in fp32; x rounded to bf16 (8 bits of mantissa) costs far less than
-    the weights' 4 or 8 bits (docs/performance.md, CPU)."""
-    return torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+def cpu_act_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype aten's CPU weight-only GEMMs (int4 and int8) run in for x of `dtype`:
+    bf16 for fp32. Their fp32 paths are scalar loops: on a 2-core AVX-512 CPU at one row, 576 x
+    1536 int4 took 809 us in fp32 against 45 us in bf16 (fp32 F.linear: 81 us), int8 493 against
+    36 us. The products are still summed in fp32; x rounded to bf16 (8 bits of mantissa) costs far
+    less than the weights' 4 or 8 bits (docs/performance.md, CPU)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype

@@ -399,7 +399,9 @@ def prepare_int4_cpu(qweight, scales, zeros, group_size: int):
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     z = ref.unpack_int4(zeros)[:, :G].float()
     s = scales.float()
-    sz = torch.stack([s.T, ((8 - z) * s).T], -1).to(scales.dtype).contiguous()
+    # in the dtype the GEMM runs in, converted here once: a conversion inside a compiled step
+    # would be a pointwise node, which Inductor's lowering of the aten op does not take
+    sz = torch.stack([s.T, ((8 - z) * s).T], -1).to(cpu_act_dtype(scales.dtype)).contiguous()
     return packed, sz
 
 
@@ -407,7 +409,7 @@ def linear_int4_cpu(x, packed, scales_and_zeros, bias=None, *, group_size: int):
     """x @ W.T (+ bias) with W held as prepare_int4_cpu's output; aten's CPU int4 GEMM, in
     cpu_act_dtype(x), the output in x's dtype."""
     kp = 2 * packed.shape[1]
-    dt = cpu_act_dtype(x)
+    dt = cpu_act_dtype(x.dtype)
     x2 = x.reshape(-1, x.shape[-1]).to(dt)
     if x2.shape[-1] != kp:
         x2 = torch.nn.functional.pad(x2, (0, kp - x2.shape[-1]))
@@ -419,6 +421,6 @@ def linear_int4_cpu(x, packed, scales_and_zeros, bias=None, *, group_size: int):
 
 
 # The lowering calls these forms directly on the CPU (traced into the compiled step; see
-# llmaccel/codegen/lower.py), not through the custom ops: {op: (prepare, fn)}, where prepare
-# (if any) converts the op's stored weights once, at lowering, into what fn reads.
-CPU_FORMS = {"linear_int4": (prepare_int4_cpu, linear_int4_cpu)}
+# llmaccel/codegen/lower.py), not through the custom ops: {op: (prepare, fn, n)}, where prepare
+# converts the op's n stored weights once, at lowering, into what fn reads.
+CPU_FORMS = {"linear_int4": (prepare_int4_cpu, linear_int4_cpu, 3)}

@@ -150,7 +150,7 @@ def linear_int8_cpu(x, qweight, scales, bias=None):
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or qweight.dtype != torch.int8 \
             or x.shape[-1] % 8:
         return ref.linear_int8(x, qweight, scales, bias)
-    dt = cpu_act_dtype(x)   # bf16 for fp32 x: aten's fp32 path is ~14x slower
+    dt = cpu_act_dtype(x.dtype)   # bf16 for fp32 x: aten's fp32 path is ~14x slower
     x2 = x.reshape(-1, x.shape[-1]).to(dt)
     y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qweight.contiguous(),
                                            scales.to(dt)).to(x.dtype)
@@ -173,5 +173,14 @@ if not registered("linear_int8"):
         return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
+def prepare_int8_cpu(qweight, scales):
+    """(codes, scales in the GEMM's dtype) for linear_int8_cpu, converted once at lowering (a
+    conversion inside a compiled step is a pointwise node, which Inductor's lowering of the aten
+    op does not take); None where linear_int8_cpu would take the reference."""
+    if qweight.dtype != torch.int8 or qweight.shape[-1] % 8 or not scales.is_floating_point():
+        return None
+    return qweight, scales.to(cpu_act_dtype(scales.dtype))
+
+
 # The lowering calls this form directly on the CPU (see quant_linear.CPU_FORMS).
-CPU_FORMS = {"linear_int8": (None, linear_int8_cpu)}
+CPU_FORMS = {"linear_int8": (prepare_int8_cpu, linear_int8_cpu, 2)}

@@ -347,3 +347,23 @@ def test_the_dotasm_probe_builds_a_valid_case(ql):
 @pytest.mark.cuda
 def test_the_dotasm_kernel_serves_this_gpu():
     assert ql_mod._asm_works(torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("bits", ["4", "8"])
+def test_cpu_forms_compile_with_inductor(bits):
+    """`--compile on` on a CPU: Inductor takes the aten weight-only GEMMs with their weights
+    converted at lowering (a conversion inside the step would be a pointwise node its lowering of
+    those ops refuses)."""
+    from llmaccel.codegen.lower import lower
+    from llmaccel.compiler.pipeline import compile
+
+    m = compile("preset:tiny-llama", ["quant"], {"quant": {"bits": bits, "group_size": "32", "method": "rtn"}},
+                eval_tokens=0, progress=False)
+    low, rep = lower(m.gm, max_len=64)
+    assert rep.cpu_traced.get(f"linear_int{bits}", 0) > 0, rep
+    ids = torch.randint(0, 512, (1, 5))
+    pos = torch.arange(5)[None]
+    want = low(ids, pos, None)
+    torch._dynamo.reset()
+    got = torch.compile(low)(ids, pos, None)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
