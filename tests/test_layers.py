@@ -18,7 +18,7 @@ LAYERS = [
     # their scores; eval.prompts: openings of text of many kinds (plain strings)
     {"kernels", "sampling"},
     {"passes"},
-    {"codegen"},
+    {"codegen", "parallel"},  # parallel: the tensor-parallel sharding of a graph at load
     {"compiler", "eval"},
     {"runtime"},
     {"cli", "bench", "serve", "export", "codegen.backend", "__init__"},

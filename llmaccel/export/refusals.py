@@ -1,7 +1,7 @@
 """Why an IR op has no ONNX form: one line for the user, naming the op and what to do."""
 from __future__ import annotations
 
-from llmaccel.ops import bitlinear, kvquant, repbn, sla, sparse
+from llmaccel.ops import bitlinear, collective, kvquant, repbn, sla, sparse
 
 # Ops whose run-time semantics ONNX Runtime cannot express without a silent change: a plain
 # attention in place of KIVI's quantized cache, or a softmax attention in place of SLA's
@@ -14,6 +14,7 @@ REFUSED = {
     bitlinear.rms_norm_bitlinear_train: "a training form (heal did not finish); export the inference graph",
     repbn.repbn_blend: "a training form (heal did not finish); export the inference graph",
     sparse.relu_glu_held: "a training form (heal did not finish); export the inference graph",
+    collective.all_reduce: "a tensor-parallel rank's graph; export the unsharded model",
 }
 
 

@@ -7,7 +7,8 @@ table instead of matching module paths or names.
     name      the op's name: the reference function's, the custom op's (torch.ops.llmaccel.<name>)
               when it has a kernel, the key of stats and reports
     ref       the pure-PyTorch reference: the IR node's target
-    kind      embedding | linear | norm | norm_linear | rope | attention | activation | head
+    kind      embedding | linear | norm | norm_linear | rope | attention | activation | head |
+              collective
     made_by   the pass that puts it in a graph (None: capture)
     kernel    the module of llmaccel.kernels that registers torch.ops.llmaccel.<name> with the
               reference's schema, or None (lowering retargets any op without a context to a
@@ -34,7 +35,7 @@ import torch
 
 from llmaccel import ops
 from llmaccel.ops import bitlinear as bl
-from llmaccel.ops import kvquant, quant, repbn, sla, sparse
+from llmaccel.ops import collective, kvquant, quant, repbn, sla, sparse
 
 
 class AttentionContext(Protocol):
@@ -95,6 +96,8 @@ _SPECS = [
     OpSpec(sparse.sparse_down, "linear", made_by="relu", kernel="sparse_down"),
     OpSpec(sparse.relu_glu, "activation", made_by="relu"),
     OpSpec(sparse.relu_glu_held, "activation", made_by="relu"),
+    # made by the tensor-parallel sharding at load (llmaccel/parallel/tp.py), never by a pass
+    OpSpec(collective.all_reduce, "collective"),
 ]
 
 OPS: dict[str, OpSpec] = {s.name: s for s in _SPECS}

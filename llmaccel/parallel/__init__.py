@@ -1,0 +1,1 @@
+"""Running one model on several ranks of a torch.distributed group."""
