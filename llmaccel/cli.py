@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from llmaccel.errors import LlmaccelError
+from llmaccel.errors import LlmaccelError, require_extra
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +70,7 @@ def cmd_compile(a) -> None:
 def _load(src: str, a):
     """A compiled model, or an exported ONNX folder run through onnxruntime."""
     from llmaccel.compiler.model import load
-    from llmaccel.export.exporter import is_export_dir
+    from llmaccel.export.folder import is_export_dir
 
     if is_export_dir(src):
         from llmaccel.export.runtime import OnnxModel
@@ -145,6 +145,7 @@ def cmd_generate(a) -> None:
 
 
 def cmd_export(a) -> None:
+    require_extra("onnx", "onnx", "llmc export")
     from llmaccel.compiler.model import load
     from llmaccel.export.exporter import check_export_output, export
 

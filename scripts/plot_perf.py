@@ -30,9 +30,9 @@ def main() -> None:
         if g.tok_s and "decode_tok_s" in ours:  # the absolute goals (sampled rows are relative)
             rows.append((g.case.replace(" ", "\n", 1), ours["decode_tok_s"], peer.get("decode_tok_s"), g.tok_s,
                          ours.get("roofline_tok_s")))
-    import matplotlib
+    from llmaccel.errors import require_extra
 
-    matplotlib.use("Agg")
+    require_extra("matplotlib", "plot", "plot_perf.py").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.2))

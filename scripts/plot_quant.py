@@ -24,9 +24,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-o", "--output", default="docs/quant-ppl-vs-bytes.png")
     out = ap.parse_args().output
-    import matplotlib
+    from llmaccel.errors import require_extra
 
-    matplotlib.use("Agg")
+    require_extra("matplotlib", "plot", "plot_quant.py").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

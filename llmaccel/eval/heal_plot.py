@@ -20,9 +20,9 @@ def plot_stats(runs: list[tuple[str, dict]], out: str, title: str = "heal", quie
     """Draw (label, heal stats) runs: the training loss per step (left) and, where the stats
     have a `domain_curve`, KL(source ‖ student) on each evaluation domain at each measurement
     (right: one colour per run, one line style per domain). Writes a PNG to `out`."""
-    import matplotlib
+    from llmaccel.errors import require_extra
 
-    matplotlib.use("Agg")
+    require_extra("matplotlib", "plot", "the heal plot").use("Agg")
     import matplotlib.pyplot as plt
 
     curves = any("domain_curve" in st for _, st in runs)

@@ -26,12 +26,11 @@ from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
 from llmaccel.export import refusals
 from llmaccel.export.builder import DATA_FILE, NP_DTYPES, ExternalData, GraphBuilder
+from llmaccel.export.folder import MANIFEST, MODEL_FILE, is_export_dir
 from llmaccel.export.std_ops import TRANSLATIONS, Env, Weight
 
 FORMATS = ("genai", "onnx")
 OPSET = 21
-MANIFEST = "llmaccel_export.json"
-MODEL_FILE = "model.onnx"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
                     "generation_config.json")
@@ -175,10 +174,3 @@ def copy_tokenizer(model: Model, out: Path) -> None:
         f = Path(model.tokenizer_dir) / name
         if f.exists() and f.resolve() != (out / name).resolve():
             shutil.copy(f, out / name)
-
-
-def is_export_dir(src: str) -> bool:
-    p = Path(src)
-    return p.is_dir() and (p / MANIFEST).exists() and (p / MODEL_FILE).exists()
-
-

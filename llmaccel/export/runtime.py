@@ -16,8 +16,8 @@ import torch
 from llmaccel.compiler import executor
 from llmaccel.compiler.model import Model
 from llmaccel.config import ModelConfig
-from llmaccel.errors import LlmaccelError
-from llmaccel.export.exporter import MANIFEST, MODEL_FILE
+from llmaccel.errors import LlmaccelError, require_extra
+from llmaccel.export.folder import MANIFEST, MODEL_FILE
 from llmaccel.sampling import SamplingParams
 
 
@@ -36,7 +36,7 @@ class OnnxModel(Model):
     """An exported folder run by onnxruntime (CPU): logits, cache, generation, tokenizer."""
 
     def __init__(self, path: str, *, threads: int | None = None):
-        import onnxruntime as ort
+        ort = require_extra("onnxruntime", "onnx", "running an exported ONNX folder")
 
         p = Path(path)
         self.manifest = json.loads((p / MANIFEST).read_text())
@@ -97,7 +97,7 @@ class OnnxModel(Model):
 def genai_greedy(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy token ids from ONNX Runtime GenAI's own generate loop on a genai folder
     (it stops at EOS)."""
-    import onnxruntime_genai as og
+    og = require_extra("onnxruntime_genai", "onnx", "ONNX Runtime GenAI's generate loop")
 
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)

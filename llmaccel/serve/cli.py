@@ -8,20 +8,10 @@ import signal
 import socket
 import sys
 
-from llmaccel.errors import LlmaccelError
+from llmaccel.errors import LlmaccelError, require_extra
 
 BACKLOG = 2048
 UVICORN_GRACE_S = 5.0
-
-
-def _need_extra() -> None:
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise LlmaccelError(f"llmc serve needs the serve extra ({e.name} is missing): "
-                            f"pip install 'llmaccel[serve]'") from None
 
 
 def _check(a) -> None:
@@ -74,7 +64,8 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
 
 
 def cmd_serve(a) -> None:
-    _need_extra()
+    for module in ("fastapi", "prometheus_client", "uvicorn"):
+        require_extra(module, "serve", "llmc serve")
     _check(a)
     from llmaccel.serve.app import create_app
     from llmaccel.serve.process import EngineProcess
