@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmaccel.kernels.paged_rope import slots_of  # also registers llmaccel::paged_rope_decode_attention
+from llmaccel.kernels.paged_rope import paged_rope_decode_cpu, slots_of  # also registers llmaccel::paged_rope_decode_attention
 from llmaccel.codegen.kernel_ops import load_kernel_modules
 from llmaccel.codegen.lower import lower
 from llmaccel.codegen.rope import fuse_rope
@@ -72,9 +72,12 @@ class DecodeContext:
             else:
                 args = (q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
                         v.reshape(B, n_kv_heads, head_dim))
-            out = torch.ops.llmaccel.paged_rope_decode_attention(
-                *args, self.cache.k[layer], self.cache.v[layer], self.pos, self.tables, *rope[:2],
-                scale=scale)
+            # eager CPU steps: the plain function (the custom op's dispatch costs more than the
+            # attention there); compiled steps keep the op, which Dynamo does not trace into
+            fn = paged_rope_decode_cpu if q.device.type == "cpu" and not torch.compiler.is_compiling() \
+                else torch.ops.llmaccel.paged_rope_decode_attention
+            out = fn(*args, self.cache.k[layer], self.cache.v[layer], self.pos, self.tables, *rope[:2],
+                     scale=scale)
             return out.reshape(1, B, n_heads * head_dim)
         # graphs without fuse_rope's pattern (GPT-2): the slot and length of each row here
         out = torch.ops.llmaccel.paged_decode_attention(

@@ -59,6 +59,21 @@ def test_reference_is_rope_then_write_then_paged_attention():
 
 
 @pytest.mark.skipif(pr.triton is None, reason="triton not installed")
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, pr.CPU_ROWS + 1])
+def test_cpu_form_matches_reference(rows, dtype, fused):
+    """The eager CPU form (row by row over each row's own context; the reference past CPU_ROWS)
+    against the reference, fresh random positions, the same cache writes."""
+    pos = torch.randint(0, 23, (rows,)).tolist()
+    c = make_case(pos, H=6, Hkv=2, D=16, bs=4, width=6, dtype=dtype, fused=fused,
+                  seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    want, kc_w, vc_w = run(pr.paged_rope_decode_ref, c, fused)
+    out, kc, vc = run(pr.paged_rope_decode_cpu, c, fused)
+    torch.testing.assert_close(out, want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(kc, kc_w) and torch.equal(vc, vc_w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "q-k-v"])
 @pytest.mark.parametrize("splits", [1, 3])

@@ -30,6 +30,16 @@ def check_logprobs(model, prompts, outs, top: int, n: int) -> None:
                 assert abs(e["top"][-1][1] - float(want.topk(top).values[-1])) < 1e-4
 
 
+def lowered(model):
+    """`model` with its graph lowered as the engine's steps lower it (kernels or CPU forms): the
+    reference executor over the same op numerics as LLM."""
+    from llmaccel.codegen.lower import lower
+    from llmaccel.compiler.model import Model
+
+    gm, _ = lower(model.gm, max_len=model.config.max_position)
+    return Model(gm, model.config, source=model.source, dtype=model.dtype, device=model.device)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny Llama preset, loaded once per test module."""
