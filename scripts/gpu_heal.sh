@@ -34,7 +34,7 @@ JOBS=${*:-gqa1 relu drelu repbn sla bitlinear}
 SRC=${SRC:-smollm2-135m}
 PY=${PY:-python}
 LLMC=${LLMC:-$PY -m llmaccel.cli}
-TEXT=${TEXT:-data/wikitext2/wiki.test.raw}
+TEXT=${TEXT:-llmaccel/data/wikitext2/wiki.test.raw}
 mkdir -p "$OUT"
 # the heal's device defaults: bf16 autocast, Inductor, 512-token windows, ~16k tokens a step
 HEAL="--set heal.steps=100000 --set heal.minutes=$MIN --set heal.warmup=20 --set heal.eval_windows=16"
