@@ -79,6 +79,17 @@ def _load(src: str, a):
     return load(src, dtype=a.dtype, device=a.device)
 
 
+def _eval_text(text: str, split: str | None) -> tuple[str, str]:
+    """(path or 'self', split) for `--text` / `--split`: a bundled text's name reads its file in
+    the package, by default the part no pass calibrates on."""
+    from llmaccel.eval.domains import DATA_DIR, DOMAINS
+
+    if text in DOMAINS:
+        rel, own = DOMAINS[text]
+        return str(DATA_DIR / rel), split or own
+    return text, split or "all"
+
+
 def cmd_eval(a) -> None:
     from llmaccel.eval.perplexity import evaluate
     from llmaccel.eval.text import load_tokens
@@ -94,9 +105,10 @@ def cmd_eval(a) -> None:
     if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
         raise LlmaccelError(f"baseline vocabulary ({baseline.config.vocab_size}) differs from the "
                             f"model's ({model.config.vocab_size})")
-    ids = load_tokens(baseline or model, a.text, a.split, a.max_tokens, ctx=a.ctx, progress=True)
+    text, split = _eval_text(a.text, a.split)
+    ids = load_tokens(baseline or model, text, split, a.max_tokens, ctx=a.ctx, progress=True)
     res = evaluate(model, ids, ctx=a.ctx, baseline=baseline, chunk=a.chunk)
-    res["text"] = a.text if a.text == "self" else f"{a.text} ({a.split})"
+    res["text"] = text if text == "self" else f"{a.text} ({split})"
     line = f"ppl {res['ppl']:.4f} over {res['tokens']} tokens ({res['windows']} windows of {a.ctx})"
     if res["chunk"] is not None:
         line += f", prefilled in chunks of {res['chunk']} through the KV cache"
@@ -218,8 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="perplexity, and KL / top-1 against a baseline")
     _model_args(p)
-    p.add_argument("--text", default="self", help="text file, or 'self' (seeded samples of the baseline or model)")
-    p.add_argument("--split", default="all", choices=["first-half", "second-half", "all"])
+    p.add_argument("--text", default="wikitext2",
+                   help="a bundled text (wikitext2, python-code, python-docs), a text file, or 'self' "
+                        "(seeded samples of the baseline or model: slow on a CPU)")
+    p.add_argument("--split", default=None, choices=["first-half", "second-half", "all"],
+                   help="default: a bundled text's evaluation part (wikitext2's second half), else all")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--baseline", default=None)

@@ -112,3 +112,15 @@ def test_sampling_text_shows_progress(capsys):
     ids = load_tokens(load("preset:tiny-llama"), "self", "all", 64, ctx=16, progress=True)
     assert len(ids) == 64
     assert "sampling text from the model: 100%" in capsys.readouterr().err
+
+
+def test_eval_text_names_a_bundled_text_and_its_evaluation_part():
+    from llmaccel.cli import _eval_text
+    from llmaccel.eval.domains import DATA_DIR
+
+    path, split = _eval_text("wikitext2", None)
+    assert path == str(DATA_DIR / "wikitext2" / "wiki.test.raw") and split == "second-half"
+    assert _eval_text("python-code", None)[1] == "all"
+    assert _eval_text("wikitext2", "first-half")[1] == "first-half"
+    assert _eval_text("self", None) == ("self", "all")
+    assert _eval_text("some/file.txt", None) == ("some/file.txt", "all")
