@@ -20,7 +20,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llmaccel.kernels import gptq, pointwise, sampling
+from llmaccel.kernels import bitlinear_gemv, gptq, pointwise, sampling
 
 def sig(fn, types, consts):
     out = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -48,6 +48,13 @@ cases.append(("gptq_block", gptq._gptq_block_kernel,
               dict(W="*fp32", H="*fp32", ST="*fp32", ZT="*fp32", Q="*fp32", E="*fp32", N="i32",
                    b="i32", s_w="i32", s_h="i32", s_q="i32", qmin="fp32", qmax="fp32"),
               {"BLOCK_R": gptq.BLOCK_R, "BLOCK_B": 128, "IEEE": True}))
+for dt in ("*fp32", "*bf16"):
+    for norm in (False, True):  # bitlinear / rms_norm_bitlinear at decode rows: dp4a, PDL
+        cases.append((f"bitlinear_gemv {dt} norm={norm}", bitlinear_gemv._bitlinear_gemv_kernel,
+                      dict(x_ptr=dt, g_ptr=dt, wp_ptr="*i32", ws_ptr=dt, b_ptr=dt, out_ptr=dt, N="i32",
+                           K="i32", KW="i32", stride_xm="i32", stride_om="i32", eps="fp32"),
+                      {"HAS_NORM": norm, "HAS_G": norm, "G_ROUND": norm, "HAS_BIAS": True, "IEEE": True,
+                       "ASM": True, "PDL": True, "BLOCK_N": 8, "BLOCK_W": 128, "BLOCK_S": 1024}))
 target = GPUTarget("cuda", 90, 32)
 failed = {}
 for name, fn, types, consts in cases:
