@@ -255,9 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--speculative", default=None, metavar="self|ngram|SRC",
-                   help="speculative decoding: the target's own first layers, prompt lookup, "
-                        "or a draft model with the same tokenizer")
+    p.add_argument("--speculative", default=None, metavar="self|self:N|ngram|SRC",
+                   help="speculative decoding: an int8 copy of the target (self), its first N "
+                        "layers (self:N), prompt lookup (ngram), or a draft model with the same "
+                        "tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--stats", action="store_true", help="print runtime metrics (JSON) to stderr")
     p.set_defaults(fn=cmd_generate, flags={"max_tokens": "--max-new-tokens", "temperature": "--temperature",
