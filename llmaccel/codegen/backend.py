@@ -14,6 +14,7 @@ is (Inductor compiles it). What is not recognised is left untouched for Inductor
 from __future__ import annotations
 
 import operator
+import sys
 from collections import Counter
 
 import torch
@@ -158,10 +159,49 @@ def _inner(name: str):
     return lookup_backend(name)
 
 
-def make_backend(inner: str = "inductor", select="all"):
-    """A backend that lifts, lowers to custom ops (`select` as in codegen.lower), then runs `inner`."""
+def _frame_name() -> str:
+    """What Dynamo is compiling: `Class.method` for a module's method, the class alone for a
+    module called through a decorator's wrapper (transformers' forward: the module is the
+    wrapper's args[0]), else the function's qualified name. Dynamo's translator is private
+    API: a torch without it gets a generic name."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        code, local = tx.f_code, tx.f_locals
+    except Exception:  # noqa: BLE001 - the name is only for the message
+        return "a graph"
+    if isinstance(local.get("self"), torch.nn.Module):
+        return f"{type(local['self']).__name__}.{code.co_name}"
+    args = local.get("args")
+    if isinstance(args, tuple) and args and isinstance(args[0], torch.nn.Module):
+        return type(args[0]).__name__
+    return code.co_qualname
+
+
+def _announce(gm: torch.fx.GraphModule, stats: dict[str, int], inner: str) -> None:
+    """One line on stderr as a compile starts: Inductor takes tens of seconds on a CPU for a
+    small LLM (SmolLM2-135M: ~30 s on 2 cores), which the first call would wait through
+    silently. Dynamo calls the backend once per graph it compiles (again only for new shapes
+    or after a graph break), so calls that reuse a compiled graph print nothing."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    again = " again (new input shapes or guards)" if cid is not None and cid.frame_compile_id else ""
+    lifted = ", ".join(f"{n} {k}" for k, n in stats.items() if n)
+    lifted = f"lifted {lifted}" if lifted else "nothing to lift"
+    print(f"llmaccel: compiling {_frame_name()}{again} ({len(gm.graph.nodes):,} nodes; {lifted}) "
+          f"with {inner}; this call waits for it (tens of seconds for an LLM on a CPU)",
+          file=sys.stderr, flush=True)
+
+
+def make_backend(inner: str = "inductor", select="all", announce: bool = True):
+    """A backend that lifts, lowers to custom ops (`select` as in codegen.lower), then runs `inner`;
+    `announce`: say so on stderr as each graph's compile starts."""
     def backend(gm: torch.fx.GraphModule, example_inputs):
         stats = lift(gm)
+        if announce:
+            _announce(gm, stats, inner)
         lowered, rep = lower(gm, max_len=1, select=select)
         backend.last_stats = {"lifted": stats, "custom": rep.custom}
         return _inner(inner)(lowered, example_inputs)

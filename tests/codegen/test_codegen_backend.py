@@ -30,3 +30,18 @@ def test_backend_leaves_unrecognised_graphs_alone():
     be = make_backend("eager")
     torch.testing.assert_close(torch.compile(f, backend=be)(x, w), f(x, w))
     assert be.last_stats["lifted"] == {"linear": 0, "rms_norm": 0, "silu_mul": 0}
+
+
+def test_a_compile_says_what_it_compiles_once(capsys):
+    """The first call compiles (tens of seconds for an LLM on a CPU): one line on stderr names
+    the model; a later call that reuses the graph prints nothing."""
+    m = hf_for_source("preset:tiny-llama")
+    ids = torch.randint(0, 512, (1, 5))
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend=make_backend("eager"))
+    with torch.no_grad():
+        compiled(ids)
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("llmaccel: compiling LlamaForCausalLM (") and "lifted 15 linear" in line
+        compiled(ids)
+    assert capsys.readouterr().err == ""
