@@ -53,14 +53,17 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
     # The thread that routes the engine's events shares the GIL with the event loop. A thread
     # coming back from a call that released it (a pipe read, a socket write) waits until the
     # holder yields, by default up to 5 ms; every stream's tokens would wait that long.
-    from llmaccel.serve.process import SWITCH_INTERVAL_S
+    from llmaccel.serve.process import SWITCH_INTERVAL_S, unfreeze_for_exit
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # what is loaded by now lives as long as the server: out of the collector's way, so that a
     # full collection in a burst scans the requests' objects only
     gc.collect()
     gc.freeze()
-    _Server(config).run(sockets=[sock])
+    try:
+        _Server(config).run(sockets=[sock])
+    finally:
+        unfreeze_for_exit()
 
 
 def cmd_serve(a) -> None:

@@ -305,13 +305,14 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
 
 
 @contextlib.contextmanager
-def serve_subprocess(*args: str, timeout: float = 600.0):
+def serve_subprocess(*args: str, timeout: float = 600.0, stderr=None):
     """`llmc serve ARGS --port 0` with this interpreter and this checkout first on the path;
-    yields (base URL, process) once /health answers; SIGTERM (then SIGKILL) at the end."""
+    yields (base URL, process) once /health answers; SIGTERM (then SIGKILL) at the end.
+    stderr: where the server's stderr goes (Popen's argument; default: this process's)."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "llmaccel.cli", "serve", *args, "--port", "0"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     try:
         line = proc.stdout.readline()  # "llmc serve: NAME on http://HOST:PORT/v1"
         if " on http://" not in line:

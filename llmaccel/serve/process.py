@@ -135,6 +135,14 @@ class _PipeOut:
         self._sender.join()
 
 
+def unfreeze_for_exit() -> None:
+    """Give what gc.freeze() set aside back to the collector before the interpreter exits: the
+    exit's collection skips frozen objects, so cycles holding triton's nanobind objects would
+    outlive its module, and nanobind would print some 60 lines of "leaked" instances, types
+    and functions on stderr at every shutdown."""
+    gc.unfreeze()
+
+
 def _child(cmd_conn, out_conn, llm_kwargs: dict, warmup: int) -> None:
     # the server process decides when to stop (a signal to the whole process group, as a
     # terminal's Ctrl-C or a service manager's stop sends, must not skip its drain)
@@ -168,6 +176,7 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict, warmup: int) -> None:
     t.join()
     err = result[0] if result else RuntimeError("the engine thread ended without a result")
     out.close(("died", repr(err)) if err is not None else ("stopped", None))
+    unfreeze_for_exit()
 
 
 class EngineProcess(Frontend):
