@@ -114,6 +114,20 @@ def test_sampling_text_shows_progress(capsys):
     assert "sampling text from the model: 100%" in capsys.readouterr().err
 
 
+def test_compile_says_up_front_what_it_samples_and_about_how_long(capsys, tmp_path):
+    code, out, err = run(capsys, "compile", "preset:tiny-llama", "--passes", "fuse,quant", "--set",
+                         "quant.n_samples=2", "--set", "quant.seq_len=32", "--eval-tokens", "0",
+                         "-o", str(tmp_path / "q"))
+    assert code == 0, err
+    line = next(x for x in err.replace("\r", "\n").splitlines() if x.startswith("sampling "))
+    assert line.startswith("sampling 64 tokens from preset:tiny-llama (2 sequences of 32, temperature 1) "
+                           "for calibration (--calib FILE reads a text file instead): ")
+    assert line.endswith(" at 30)") and " on this machine (a step of 2 sequences: " in line
+    # then the sampling's bar, with a time left; the quantization's bar only once it is done
+    bar = err.index("sampling text from the model: 100%")
+    assert err.index(line) < bar < err.index("quant awq+gptq w4:") and "<00:00" in err[bar:]
+
+
 def test_eval_text_names_a_bundled_text_and_its_evaluation_part():
     from llmaccel.cli import _eval_text
     from llmaccel.eval.domains import DATA_DIR

@@ -38,7 +38,8 @@ def parse_pass_list(passes) -> list[str]:
 
 def _calib_source(calib: str, split: str, source: Model, progress: bool):
     def make(n: int, seq_len: int) -> torch.Tensor:
-        ids = load_tokens(source, calib, split, n * seq_len, ctx=seq_len, seed=0, progress=progress)
+        ids = load_tokens(source, calib, split, n * seq_len, ctx=seq_len, seed=0, progress=progress,
+                          purpose="for calibration (--calib FILE reads a text file instead)")
         n_full = len(ids) // seq_len
         if n_full == 0:
             raise LlmaccelError(f"calibration text gives {len(ids)} tokens, fewer than one "
@@ -182,7 +183,8 @@ def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress)
     from llmaccel.eval.perplexity import evaluate
 
     if calib == "self":
-        ids = load_tokens(baseline, "self", "all", n_tokens, seed=1, progress=progress)  # calibration: seed 0
+        ids = load_tokens(baseline, "self", "all", n_tokens, seed=1, progress=progress,  # calibration: seed 0
+                          purpose="for the quality check (--eval-tokens N: how many, 0: none)")
         text = "self (seed 1)"
     elif calib_split in _OTHER_HALF:
         split = _OTHER_HALF[calib_split]

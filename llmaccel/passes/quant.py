@@ -333,16 +333,18 @@ class Quant(Pass):
         if not targets:
             return PassResult(gm, 0, {"quantized": 0})
         n_groups = len({n.args[0] for n in targets})
-        bar = ctx.progress(None, desc=f"quant {c.method} w{c.bits}", total=n_groups)
+        # the calibration text first: its sampling has a bar of its own, and this one's rate and
+        # time left count the quantization only
+        ids = None if c.method == "rtn" else ctx.calib_tokens(c.n_samples, c.seq_len).to(ctx.device)
+        bar = ctx.progress(None, desc=f"quant {c.method} w{c.bits}", total=n_groups, unit="group")
         qz = _Quantizer(gm, c, ctx.config, bar)
         qz.pending, qz.n_groups = set(targets), n_groups
         fp_bytes = sum(_nbytes(weight_of(gm, n.args[1])) for n in targets)
-        if c.method == "rtn":
+        if ids is None:
             for n in targets:
                 if n in qz.pending:
                     qz.process(n, None)
         else:
-            ids = ctx.calib_tokens(c.n_samples, c.seq_len).to(ctx.device)
             with torch.no_grad():
                 _Calibrated(gm, qz, source=c.match_source).run(ids, positions(ids), None)
         bar.close()
