@@ -131,13 +131,20 @@ def cmd_generate(a) -> None:
     if a.num_speculative_tokens < 1:
         raise LlmaccelError(f"--num-speculative-tokens must be >= 1, got {a.num_speculative_tokens}")
     check_draft(a.speculative)
-    model = _load(a.src, a)
-    # An exported folder generates through onnxruntime; anything else through the engine.
-    onnx = model.gm is None
-    if onnx and (a.speculative or a.stats):
-        raise LlmaccelError("an exported ONNX folder generates without --speculative and --stats")
-    llm = model if onnx else LLM(model, speculative=a.speculative,
-                                 num_speculative_tokens=a.num_speculative_tokens)
+    if a.tp < 1:
+        raise LlmaccelError(f"--tp must be >= 1, got {a.tp}")
+    if a.tp > 1:  # the ranks load the source themselves (tp_ranks.py)
+        llm = LLM(a.src, dtype=a.dtype, device=a.device, speculative=a.speculative,
+                  num_speculative_tokens=a.num_speculative_tokens, tensor_parallel_size=a.tp)
+        model = llm.model
+    else:
+        model = _load(a.src, a)
+        # An exported folder generates through onnxruntime; anything else through the engine.
+        onnx = model.gm is None
+        if onnx and (a.speculative or a.stats):
+            raise LlmaccelError("an exported ONNX folder generates without --speculative and --stats")
+        llm = model if onnx else LLM(model, speculative=a.speculative,
+                                     num_speculative_tokens=a.num_speculative_tokens)
     prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
     t0, first = time.perf_counter(), None
     for piece in llm.stream(prompt, params):
@@ -154,6 +161,8 @@ def cmd_generate(a) -> None:
                  first_text_s=round(first - t0, 4) if first else None)
         print(f"{n} tokens in {wall:.3f} s: {n / wall:.1f} tok/s", file=sys.stderr)
         print(json.dumps(m), file=sys.stderr)
+    if a.tp > 1:
+        llm.close()
 
 
 def cmd_export(a) -> None:
@@ -215,7 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--passes", default="", help="comma-separated pass names, run in order")
     p.add_argument("--set", action="append", default=[], metavar="PASS.KEY=VALUE")
-    p.add_argument("--calib", default="self", help="calibration text file, or 'self' (samples of the source)")
+    p.add_argument("--calib", default="mixed",
+                   help="calibration text: 'mixed' (bundled prose, Python code and docs, none of it "
+                        "evaluated on), a text file (read by --calib-split), or 'self' (samples of the "
+                        "source: slow on a CPU)")
     p.add_argument("--calib-split", default="first-half", choices=["first-half", "second-half", "all"])
     p.add_argument("--baseline", default=None, metavar="SRC",
                    help="the model the passes fit to and distil from and the quality check compares "
@@ -260,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers (self:N), prompt lookup (ngram), or a draft model with the same "
                         "tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (one GPU each; CPU processes over gloo without a GPU)")
     p.add_argument("--stats", action="store_true", help="print runtime metrics (JSON) to stderr")
     p.set_defaults(fn=cmd_generate, flags={"max_tokens": "--max-new-tokens", "temperature": "--temperature",
                                           "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",

@@ -67,6 +67,6 @@ class CompileConfig:
     """What `llmc compile` was asked to do."""
     passes: list[str] = field(default_factory=list)
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # pass name -> {key: value}
-    calib: str = "self"
+    calib: str = "mixed"
     calib_split: str = "first-half"
     verify: bool = False

@@ -138,7 +138,7 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
             if s.id not in done and s.finished:
                 done[s.id] = now
     wall = time.perf_counter() - t0
-    del llm._eager_step  # the engine's own method again
+    del llm.core.eager.run  # the engine's own method again
     eager_s = _split_seconds(split)
     n_out = sum(s.n_output for s in seqs)
     tpot = [(done[s.id] - first[s.id]) / (s.n_output - 1) for s in seqs if s.n_output > 1]
@@ -168,8 +168,8 @@ def _load_run(llm, n_req: int, check: bool, shape: dict = LOAD) -> dict:
                 total_tok_s=round((n_out + sum(len(p) for p in prompts)) / wall, 1),
                 mean_tpot_ms=round(1000 * sum(tpot) / len(tpot), 2), steps=m["steps"] - steps0,
                 eager_steps=split["steps"], eager_s=round(eager_s, 3),
-                decode_calls=(llm.runner.launches + llm.runner.relaunches - split["groups0"])
-                if llm.runner is not None else 0,
+                decode_calls=(llm.core.runner.decode.launches + llm.core.runner.decode.relaunches - split["groups0"])
+                if llm.core.runner.decode is not None else 0,
                 decode_s=round(wall - eager_s, 3),
                 preemptions=m["preemptions"], kv_blocks_total=m["kv_blocks_total"],
                 kv_blocks_peak=m["kv_blocks_peak"], lengths_ok=lengths_ok,
@@ -190,10 +190,10 @@ def _time_split(llm) -> dict:
     queued before it to the end of its own (summed by `_split_seconds` once the load is over);
     on the CPU the host's time is the step's. The decode groups are counted by the runner and
     take the rest of the wall."""
-    r = llm.runner
+    r = llm.core.runner.decode
     split = {"steps": 0, "spans": [], "s": 0.0,
              "groups0": (r.launches + r.relaunches) if r is not None else 0}
-    fn = llm._eager_step
+    fn = llm.core.eager.run
     cuda = torch.device(llm.device).type == "cuda"
 
     def timed_fn(*a):
@@ -209,7 +209,7 @@ def _time_split(llm) -> dict:
             split["s"] += time.perf_counter() - t
         split["steps"] += 1
         return out
-    llm._eager_step = timed_fn
+    llm.core.eager.run = timed_fn
     return split
 
 

@@ -116,7 +116,7 @@ def test_sampling_text_shows_progress(capsys):
 
 def test_compile_says_up_front_what_it_samples_and_about_how_long(capsys, tmp_path):
     code, out, err = run(capsys, "compile", "preset:tiny-llama", "--passes", "fuse,quant", "--set",
-                         "quant.n_samples=2", "--set", "quant.seq_len=32", "--eval-tokens", "0",
+                         "quant.n_samples=2", "--set", "quant.seq_len=32", "--eval-tokens", "0", "--calib", "self",
                          "-o", str(tmp_path / "q"))
     assert code == 0, err
     line = next(x for x in err.replace("\r", "\n").splitlines() if x.startswith("sampling "))
@@ -134,7 +134,7 @@ def test_eval_text_names_a_bundled_text_and_its_evaluation_part():
 
     path, split = _eval_text("wikitext2", None)
     assert path == str(DATA_DIR / "wikitext2" / "wiki.test.raw") and split == "second-half"
-    assert _eval_text("python-code", None)[1] == "all"
+    assert _eval_text("python-code", None)[1] == "first-half"  # the second half calibrates (mixed)
     assert _eval_text("wikitext2", "first-half")[1] == "first-half"
     assert _eval_text("self", None) == ("self", "all")
     assert _eval_text("some/file.txt", None) == ("some/file.txt", "all")

@@ -69,3 +69,10 @@ def test_unknown_baseline_names_the_flag(capsys, tmp_path):
                       "preset:tiny-llama", "--baseline", "bogus")
     assert_user_error(capsys, "--baseline: unknown model 'preset:nope'", "compile", "preset:tiny-llama",
                       "--baseline", "preset:nope", "-o", str(tmp_path / "a"))
+
+
+def test_tensor_parallel_sizes(capsys):
+    assert_user_error(capsys, "--tp must be >= 1, got 0", *GEN, "--tp", "0")
+    assert_user_error(capsys, "--tp must be >= 1, got 0", *BENCH, "--tp", "0")
+    # refused from the model's heads before any rank starts
+    assert_user_error(capsys, "takes 1, 3", "generate", "preset:smollm2-135m", "--prompt", "x", "--tp", "2")

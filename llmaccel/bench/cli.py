@@ -16,12 +16,14 @@ def cmd_bench(a) -> None:
     from llmaccel.passes.base import parse_sets
 
     check_draft(a.speculative)
+    if a.tp < 1:
+        raise LlmaccelError(f"--tp must be >= 1, got {a.tp}")
     res = bench(a.src, batch=a.batch, prompt_len=a.prompt_len, gen_len=a.gen_len, dtype=a.dtype,
                 device=a.device, passes=a.passes, options=parse_sets(a.set), temperature=a.temperature,
                 top_p=a.top_p, top_k=a.top_k, warmup=a.warmup, measure_bw=not a.no_bw,
                 profile=not a.no_profile, speculative=a.speculative, spec_k=a.spec_k, prompt=a.prompt,
                 cuda_graphs=a.cuda_graphs == "on", compile=_bool_or_auto(a.compile),
-                prefix_caching=a.prefix_caching)
+                prefix_caching=a.prefix_caching, tp=a.tp)
     print(render(res))
     if a.json:
         print(json.dumps(res))
@@ -51,6 +53,7 @@ def add_parser(subparsers) -> None:
                         "of the warm-up runs) cached and prefills only their last block")
     p.add_argument("--speculative", default=None, metavar="DRAFT", help="ngram | self | self:N | SRC")
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (LLM(tensor_parallel_size=N))")
     p.add_argument("--prompt", default=None, help="prompt text instead of --prompt-len random tokens")
     p.add_argument("--no-bw", action="store_true", help="skip measuring the copy bandwidth")
     p.add_argument("--no-profile", action="store_true", help="skip the per-step kernel profile (CUDA)")

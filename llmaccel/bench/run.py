@@ -198,7 +198,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
           top_p: float = 1.0, top_k: int = 0, warmup: int = 2, measure_bw: bool = True,
           seed: int = 0, speculative: str | None = None, spec_k: int = 4, prompt: str | None = None,
           cuda_graphs: bool = True, compile: bool | None = None, profile: bool = True,
-          prefix_caching: bool = False) -> dict:
+          prefix_caching: bool = False, tp: int = 1) -> dict:
     """`batch` requests of prompt_len tokens, all added at once to `LLM`, each generating
     exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs. Prefix
     caching is off unless asked for: every run repeats the same prompts, which it would
@@ -235,7 +235,8 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
     llm = LLM(model, max_num_seqs=batch, speculative=speculative, num_speculative_tokens=spec_k,
               max_num_batched_tokens=max(2048, min(batch * prompt_len, 16384)),
-              cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching)
+              cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching,
+              tensor_parallel_size=tp)
     warm_s, _ = _timed(lambda: [llm.generate(ids, sp) for _ in range(warmup)], dev)
     first = [dataclasses.replace(p, max_tokens=1) for p in sp]
     prefill_s = min(_timed(lambda: llm.generate(ids, first), dev)[0] for _ in range(2))
@@ -281,8 +282,10 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
             res.update(profile_decode(llm, ids, sp))
         except Exception as e:  # the profile is extra information; the figures above stand
             res["profile_error"] = f"{type(e).__name__}: {e}"[:200]
+    llm.close()
+    res["tensor_parallel_size"] = tp
     measured_bw = copy_bandwidth(dev) if measure_bw else None
-    if measured_bw and step_s:
+    if measured_bw and step_s and tp == 1:  # a rank's bytes are not the whole model's
         res.update(copy_bw_measured=measured_bw, roofline_tok_s=batch * measured_bw / step_bytes,
                    roofline_frac=(step_bytes / measured_bw) / step_s)
     return res

@@ -55,7 +55,7 @@ def _verify(before: torch.Tensor, after: torch.Tensor) -> dict:
             "max_abs_over_max": diff.max().item() / before.float().abs().max().item()}
 
 
-def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "self",
+def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "mixed",
             calib_split: str = "first-half", verify: bool = False, eval_tokens: int | None = None,
             dtype="float32", device: str = "cpu", progress: bool = True, sampler=None,
             baseline: str | None = None) -> Model:
@@ -67,8 +67,8 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     further, which would otherwise be its own teacher."""
     if calib_split not in SPLITS:
         raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
-    if calib != "self" and not Path(calib).is_file():
-        raise LlmaccelError(f"no such text file: {calib} (--calib takes a text file or 'self')")
+    if calib not in ("self", "mixed") and not Path(calib).is_file():
+        raise LlmaccelError(f"no such text file: {calib} (--calib takes a text file, 'mixed' or 'self')")
     if eval_tokens is not None and (not isinstance(eval_tokens, int) or eval_tokens < 0):
         raise LlmaccelError(f"eval_tokens must be a count >= 0, got {eval_tokens!r}")
     names = parse_pass_list(passes)
@@ -186,6 +186,12 @@ def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress)
         ids = load_tokens(baseline, "self", "all", n_tokens, seed=1, progress=progress,  # calibration: seed 0
                           purpose="for the quality check (--eval-tokens N: how many, 0: none)")
         text = "self (seed 1)"
+    elif calib == "mixed":  # calibrated on wikitext2's first half among others: its second half
+        from llmaccel.eval.domains import DATA_DIR, DOMAINS
+
+        rel, split = DOMAINS["wikitext2"]
+        ids = load_tokens(baseline, str(DATA_DIR / rel), split, n_tokens)
+        text = f"wikitext2 ({split})"
     elif calib_split in _OTHER_HALF:
         split = _OTHER_HALF[calib_split]
         ids = load_tokens(baseline, calib, split, n_tokens)

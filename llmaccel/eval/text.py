@@ -184,11 +184,16 @@ def sampled_tokens(model, n_tokens: int, *, seq_len: int = 512, seed: int = 0,
 
 def load_tokens(model, text: str, split: str, max_tokens: int | None, *, ctx: int = 512,
                 seed: int = 0, progress: bool = False, purpose: str = "") -> torch.Tensor:
-    """Token ids for `text` = a file path or 'self' (samples from `model`, with a progress
-    bar on stderr when `progress`, after a line naming `purpose`: sampled_tokens)."""
+    """Token ids for `text` = a file path, 'self' (samples from `model`, with a progress bar on
+    stderr when `progress`, after a line naming `purpose`: sampled_tokens) or 'mixed' (windows of
+    `ctx` from the bundled texts' calibration parts: domains.mixed_tokens)."""
     if max_tokens is not None and max_tokens < 2:
         raise LlmaccelError(f"max_tokens must be at least 2 (one token and its successor), got {max_tokens}")
     if text == "self":
         return sampled_tokens(model, max_tokens or 4 * ctx, seq_len=ctx, seed=seed, progress=progress,
                               purpose=purpose)
+    if text == "mixed":  # the bundled texts' calibration parts, `split` aside
+        from llmaccel.eval.domains import mixed_tokens
+
+        return mixed_tokens(text_encoder(model), max_tokens or 4 * ctx, ctx)
     return file_tokens(model, text, split, max_tokens)

@@ -1,5 +1,5 @@
-"""LLM's decode-only steps on the DecodeRunner: a group of up to MAX_STEPS sub-steps, and the
-next group launched before the bookkeeping of the one just read (docs/runtime.md)."""
+"""The engine core's decode-only steps on the DecodeRunner: a group of up to MAX_STEPS sub-steps,
+and the next group launched before the bookkeeping of the one just read (docs/runtime.md)."""
 from __future__ import annotations
 
 from llmaccel.runtime.decode import MAX_STEPS
@@ -8,10 +8,16 @@ from llmaccel.sampling import logprobs_wanted, sample_mode
 
 
 class DecodeSteps:
-    """LLM's decode steps (a part of LLM: they read its block manager, scheduler, runner,
-    config and statistics, and apply tokens with its _append)."""
+    """The decode steps of an engine core (core.py): they read its block manager, scheduler,
+    backend, decode runner and statistics, and apply tokens with its `append`. `pending`: (rows,
+    the decode group launched for them) that the next step resolves."""
 
-    def _decode(self, seqs: list[Sequence]) -> bool:
+    def __init__(self, core):
+        self.core, self.bm, self.sched, self.backend = core, core.bm, core.sched, core.backend
+        self.runner, self.stats = core.runner.decode, core.stats
+        self.pending = None
+
+    def run(self, seqs: list[Sequence]) -> bool:
         """A decode-only step on the runner: up to MAX_STEPS sub-steps, as many as the row with
         the most tokens left wants (a row that reaches max_tokens earlier computes the rest of
         the group and discards it, as after an EOS: a row of a wide batch costs little, a host
@@ -22,24 +28,24 @@ class DecodeSteps:
             n = 1  # the scheduler made room for one token per row
             self._reserve(seqs, n)
         bm = self.bm
-        tables = self._runner_tables(seqs, 0)
+        tables = self.backend.runner_tables(seqs, 0)
         rows = [(t, s.num_computed, s.token_ids[-1], s.params.temperature, s.params.top_k,
                  s.params.top_p, s.seed) for s, t in zip(seqs, tables)]
         ps = [s.params for s in seqs]
         try:
             grp = self.runner.launch(rows, n, sample_mode(ps), logprobs_wanted(ps))
         except BaseException:
-            self._lost(seqs)
+            self.backend.lost(seqs, self.sched)
             raise
         if grp is None:
             for seq in seqs:
                 bm.trim(seq, seq.num_computed + 1)
             return False
-        self._launched(seqs, tables, 0, n)
-        self._resolve(seqs, grp)
+        self.backend.launched(seqs, tables, 0, n)
+        self.resolve(seqs, grp)
         return True
 
-    def _resolve(self, seqs: list[Sequence], grp) -> None:
+    def resolve(self, seqs: list[Sequence], grp) -> None:
         """Launch the next decode group for the same rows where nothing else waits (so the GPU
         computes it while the host does this group's bookkeeping and the caller its own work:
         the next step() resolves it), wait for this group, then apply its tokens to the rows
@@ -49,7 +55,7 @@ class DecodeSteps:
         try:
             self._apply_group(seqs, grp)
         except BaseException:
-            self._lost(seqs)
+            self.backend.lost(seqs, self.sched)
             raise
 
     def _apply_group(self, seqs: list[Sequence], grp) -> None:
@@ -68,12 +74,12 @@ class DecodeSteps:
             if seq.finished:  # aborted, or ended by the group before: its tokens are dropped
                 continue
             seq.num_computed += n
-            self._append(seq, toks, lps_all[i] if lps_all is not None else None)
+            self.core.append(seq, toks, lps_all[i] if lps_all is not None else None)
             bm.register(seq)
             if seq.finished:
                 self.sched.finish(seq)
         self.stats["kv_blocks_peak"] = max(self.stats["kv_blocks_peak"], bm.num_used)
-        self._pending = nxt
+        self.pending = nxt
 
     def _continue(self, seqs: list[Sequence], grp):
         """(seqs, the next group launched) when the next step would decode the same rows: no
@@ -81,7 +87,7 @@ class DecodeSteps:
         group, and blocks are free for the next positions; else None. A row that ends within this group (an EOS, a
         stop string: not known yet) computes the next group for nothing, as after an EOS inside
         a group; a row known to end (max_tokens, abort) becomes a padding row."""
-        if self.bm.copies or self.draft is not None or self._admissible():
+        if self.bm.copies or self.core.draft is not None or self._admissible():
             return None  # the next step copies blocks, lets the draft propose, or admits
         rows = {id(s) for s in seqs}
         if any(id(s) not in rows for s in self.sched.running):
@@ -94,38 +100,15 @@ class DecodeSteps:
         n = self._group_size(cont, k)
         if not self._reserve(cont, k + n):
             return None
-        tables = self._runner_tables(cont, k)
+        tables = self.backend.runner_tables(cont, k)
         by_seq = dict(zip(map(id, cont), tables))
         nxt = self.runner.relaunch(grp, [by_seq.get(id(s)) for s in seqs], n)
         if nxt is None:
             for s in cont:
                 bm.trim(s, s.num_computed + k)
             return None
-        self._launched(cont, tables, k, n)
+        self.backend.launched(cont, tables, k, n)
         return seqs, nxt
-
-    def _lost(self, seqs: list[Sequence]) -> None:
-        """After a failure while a group ran or was applied: over sla states, the rows still
-        running are computed again from their tokens (their states may be past, or short of,
-        what the host applied; a KV cache's extra entries are simply overwritten)."""
-        if self.sla:
-            for s in seqs:
-                if not s.finished:
-                    self.sched.requeue(s)
-
-    def _runner_tables(self, seqs: list[Sequence], ahead: int) -> list[list[int]]:
-        """Each row's table for the runner once `ahead` more tokens are computed: its block table,
-        or over sla states its slot's entry (SlaStates.decode_row)."""
-        if not self.sla:
-            return [s.block_table for s in seqs]
-        return [[self.cache.decode_row(s.block_table[0], s.num_computed + ahead)] for s in seqs]
-
-    def _launched(self, seqs: list[Sequence], tables: list[list[int]], ahead: int, n: int) -> None:
-        """n sub-steps launched on the rows' runner tables from `ahead` tokens on: sla states
-        record them."""
-        if self.sla:
-            for s, t in zip(seqs, tables):
-                self.cache.ran(t[0], s.num_computed + ahead, n)
 
     def _reserve(self, seqs: list[Sequence], ahead: int) -> bool:
         """Grow each row's block table to its position + `ahead` tokens (blocks that only this
@@ -156,4 +139,4 @@ class DecodeSteps:
 
     def _left(self, s: Sequence) -> tuple[int, int]:
         """(tokens s may still emit, positions left in the model's context)."""
-        return s.params.max_tokens - s.n_output, self.cfg.max_position - len(s.token_ids)
+        return s.params.max_tokens - s.n_output, self.core.cfg.max_position - len(s.token_ids)

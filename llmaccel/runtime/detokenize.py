@@ -41,3 +41,10 @@ def find_stop(text: str, stops: list[str], new: int) -> int:
     start = max(0, len(text) - new - longest + 1)
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits, default=-1)
+
+
+def detok_of(seq, tokenizer) -> IncrementalDetokenizer:
+    """The sequence's incremental detokenizer, made on first use."""
+    if seq.detok is None:
+        seq.detok = IncrementalDetokenizer(tokenizer)
+    return seq.detok

@@ -50,20 +50,22 @@ def warm_eager_steps(gm, cache: PagedKVCache, scratch: int, context: int, bar=No
     return len(steps)
 
 
-def warm_up(llm, context: int, progress: bool, modes: tuple[str, ...] | None = None) -> dict:
-    """LLM.warmup's work (it runs in inference mode, as steps do)."""
+def warm_up(core, context: int, progress: bool, modes: tuple[str, ...] | None = None) -> dict:
+    """LLM.warmup's work on its engine core (it runs in inference mode, as steps do)."""
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise LlmaccelError(f"warm-up context must be a positive number of tokens, got {context!r}")
     modes = WARM_MODES if modes is None else tuple(dict.fromkeys(modes))
     if not modes or any(m not in WARM_MODES for m in modes):
         raise LlmaccelError(f"warm-up modes must be some of {', '.join(WARM_MODES)}, got {modes!r}")
     t0 = time.perf_counter()
-    context = min(context, llm.cfg.max_position)
-    capture = llm.runner is not None and llm.runner.capture
-    shapes = [(llm.runner, k) for k in llm.runner.warm_keys(modes, context)] if capture else []
-    if llm.steps is not None and llm.steps.capture:
-        shapes += [(llm.steps, k) for k in llm.steps.warm_keys()]
-    paged = capture and not llm.sla   # the mixed steps below run on the paged cache's scratch block
+    context = min(context, core.cfg.max_position)
+    decode, steps = core.runner.decode, core.runner.steps
+    capture = decode is not None and decode.capture
+    shapes = [(decode, k) for k in decode.warm_keys(modes, context)] if capture else []
+    if steps is not None and steps.capture:
+        shapes += [(steps, k) for k in steps.warm_keys()]
+    # the mixed steps below run on the paged cache's scratch block
+    paged = capture and core.backend.name == "paged"
     eager = len(eager_warm_steps(context)) if paged else 0
     with tqdm(total=len(shapes) + eager, desc="warming up step shapes", unit="shape", file=sys.stderr,
               disable=not progress or not shapes) as bar:
@@ -71,5 +73,5 @@ def warm_up(llm, context: int, progress: bool, modes: tuple[str, ...] | None = N
             runner.graph(key)
             bar.update(1)
         if paged:  # the eager steps' kernels too
-            warm_eager_steps(llm.gm, llm.cache, llm.cache.num_blocks - 1, context, bar)
+            warm_eager_steps(core.runner.gm, core.cache, core.cache.num_blocks - 1, context, bar)
     return {"shapes": len(shapes) + eager, "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,6 +1,6 @@
 """The engine loop: the one owner of an `LLM`. HTTP handlers reach it only through queues.
 
-`LLM` is not thread-safe, so one loop (EngineCore) adds, steps and aborts. Handlers submit a
+`LLM` is not thread-safe, so one loop (EngineLoop) adds, steps and aborts. Handlers submit a
 `Job` (one HTTP request: one sequence per prompt and choice) through a frontend and read its
 events from an asyncio queue the frontend feeds with `call_soon_threadsafe`, one wake-up per
 engine turn. Two frontends, one core: EngineThread runs the core on a thread of this process
@@ -216,7 +216,7 @@ class _Choice:
     first_t: float | None = None
 
 
-class EngineCore:
+class EngineLoop:
     """The loop that owns `llm`. Commands come from `inbox` (get(timeout) / get_nowait, raising
     queue.Empty): ("add", job), ("abort", job), ("close", grace), ("stop", None); a job has
     prompts, params and t0. Events go to `out` (route(job, item), flush(), record(kind, value),
@@ -382,7 +382,7 @@ class EngineThread(Frontend):
         self._thread = threading.Thread(target=self._run, name="llmaccel-engine", daemon=True)
 
     def _run(self) -> None:
-        self.error = EngineCore(self.llm, self._inbox, self).run()
+        self.error = EngineLoop(self.llm, self._inbox, self).run()
 
     def publish(self, figures: dict) -> None:
         self._core = figures

@@ -5,7 +5,7 @@ a CUDA call gives the GIL back, the engine waits for the HTTP side's Python befo
 launch the next step, and the GPU idles (measured on an H200, llama-1b, 256 streams: the server
 reached 0.52x the offline throughput). In a process of its own it never waits for the HTTP side.
 
-The child builds the `LLM` and runs EngineCore; commands go to it through one pipe (a sender
+The child builds the `LLM` and runs EngineLoop; commands go to it through one pipe (a sender
 thread here, so a handler never blocks on a full pipe) and each engine turn comes back through
 another as one message: the turn's events, observations and figures, read by a thread here that
 routes them to the jobs' event loops. Jobs cross the boundary as (id, prompts, params, t0);
@@ -27,7 +27,7 @@ import threading
 from collections import deque
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.serve.loop import Delta, EngineCore, Frontend, ServeError, model_facts
+from llmaccel.serve.loop import Delta, EngineLoop, Frontend, ServeError, model_facts
 
 log = logging.getLogger("llmaccel.serve")
 SWITCH_INTERVAL_S = 0.001
@@ -171,7 +171,7 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict, warmup: int) -> None:
     result = []
     # on a thread, as LLM runs in a server thread or a user's: on a busy CPU, torch's intra-op
     # pool makes small ops of the main thread several times slower
-    t = threading.Thread(target=lambda: result.append(EngineCore(llm, inbox, out).run()))
+    t = threading.Thread(target=lambda: result.append(EngineLoop(llm, inbox, out).run()))
     t.start()
     t.join()
     err = result[0] if result else RuntimeError("the engine thread ended without a result")

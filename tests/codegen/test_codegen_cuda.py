@@ -30,7 +30,7 @@ def test_llm_greedy_identical_to_reference_at_one_and_many_rows(passes, opts, co
     want = _reference(m, prompts)
     llm = LLM(m, compile=compile_step)
     assert [o.token_ids for o in llm.generate(prompts[:1], GREEDY)] == want[:1]
-    assert llm.runner.lowered["gemv"] is not None
+    assert llm.core.runner.decode.lowered["gemv"] is not None
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     met = llm.metrics()
     assert met["graphs_captured"] >= 2 and met["decode_steps"] > met["steps"]

@@ -122,3 +122,21 @@ def test_domain_texts_ship_inside_the_package():
     for rel, _ in DOMAINS.values():
         path = DATA_DIR / rel
         assert path.is_file() and any(path.relative_to(pkg).match(g) for g in globs), rel
+
+
+def test_mixed_calibration_takes_each_domain_in_turn_and_never_its_evaluation_part():
+    from llmaccel.eval.domains import CALIB_SPLITS, DATA_DIR, DOMAINS, mixed_tokens
+
+    m = load("preset:tiny-llama")
+    enc = lambda text: list(text.encode("utf-8"))  # noqa: E731 - a preset reads bytes
+    ids = mixed_tokens(enc, 3 * 64 + 10, 64)
+    assert ids.shape == (3 * 64 + 10,)
+    got = [bytes(ids[i * 64:(i + 1) * 64].tolist()).decode("utf-8", "replace") for i in range(3)]
+    for (name, split), window in zip(CALIB_SPLITS.items(), got):
+        path = DATA_DIR / DOMAINS[name][0]
+        assert split != DOMAINS[name][1]
+        assert window[:20] in read_split(str(path), split)
+        assert window[:40] not in read_split(str(path), DOMAINS[name][1])
+    # through load_tokens, as compile's default calibration reads it
+    from llmaccel.eval.text import load_tokens
+    assert torch.equal(load_tokens(m, "mixed", "first-half", 200, ctx=64), mixed_tokens(enc, 200, 64))

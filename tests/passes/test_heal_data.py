@@ -62,7 +62,7 @@ def test_sample_windows_seeded_and_cache_freed(monkeypatch):
     class Recorded(engine_mod.LLM):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            made.append((self.cache, self.dtype, self.device))
+            made.append((self.core.cache, self.dtype, self.device))
 
     monkeypatch.setattr(windows_mod, "LLM", Recorded)
     prompts = prompt_ids(m, _calib(), 6, "mixed", 8, calib_share=0.5)

@@ -26,7 +26,7 @@ def early(request, monkeypatch):
 
 def test_early_launches_the_next_group_before_reading_the_last(tiny, prompts, early):
     llm = LLM(tiny, max_num_seqs=8)
-    r, log = llm.runner, []
+    r, log = llm.core.runner.decode, []
     collect, relaunch = r.collect, r.relaunch
     r.collect = lambda grp: (log.append(("collect", id(grp))), collect(grp))[1]
 
@@ -54,7 +54,7 @@ def test_pipelined_groups_match_the_reference_with_rows_ending_inside_groups(tin
     params = [SamplingParams(max_tokens=5 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     llm = LLM(tiny, max_num_seqs=8)
     outs = llm.generate(prompts, params)
-    assert llm.runner.relaunches > 0
+    assert llm.core.runner.decode.relaunches > 0
     for p, sp, o in zip(prompts, params, outs):
         assert o.token_ids == list(tiny.generate_ids(p, sp))
     assert llm.metrics()["kv_blocks_used"] == 0
@@ -65,7 +65,7 @@ def test_seeded_sampled_rows_give_their_tokens_alone_or_in_a_pipelined_batch(tin
                              ignore_eos=True) for i in range(len(prompts))]
     llm = LLM(tiny, max_num_seqs=8)
     together = [o.token_ids for o in llm.generate(prompts, params)]
-    assert llm.runner.relaunches > 0
+    assert llm.core.runner.decode.relaunches > 0
     alone = [LLM(tiny, max_num_seqs=1).generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone
 
@@ -77,9 +77,9 @@ def test_an_eos_inside_a_group_ends_the_row_and_the_pipeline_drops_its_extra_tok
     # its next group is already launched; the rows without it decode on
     eos = next(r[i] for r in refs for i in range(9, 16) if r[i] not in r[:i])
     llm = LLM(tiny, max_num_seqs=8)
-    llm.eos = {eos}
+    llm.core.eos = {eos}
     outs = llm.generate(prompts, SamplingParams(max_tokens=30))
-    assert llm.runner.relaunches > 0
+    assert llm.core.runner.decode.relaunches > 0
     for r, o in zip(refs, outs):
         cut = r.index(eos) if eos in r else len(r)
         assert o.token_ids == r[:cut] and o.finish_reason == ("stop" if eos in r else "length")
@@ -93,7 +93,7 @@ def test_abort_and_new_requests_between_pipelined_steps(tiny, prompts):
     seqs = [llm.add_request(p, long) for p in prompts[:4]]
     for _ in range(4):
         llm.step()
-    assert llm._pending is not None  # a group is in flight between steps
+    assert llm.core.decode.pending is not None  # a group is in flight between steps
     llm.abort(seqs[0])  # its blocks are freed now; the group in flight drops its row
     late = llm.add_request(prompts[5], long)  # admitted once the group in flight is resolved
     while llm.has_unfinished():
@@ -110,7 +110,7 @@ def test_a_saturated_engine_keeps_its_groups_overlapped(tiny, prompts):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     llm = LLM(tiny, max_num_seqs=2)
     outs = llm.generate(prompts[:4], params)
-    assert llm.runner.relaunches >= llm.runner.launches
+    assert llm.core.runner.decode.relaunches >= llm.core.runner.decode.launches
     for p, o in zip(prompts[:4], outs):
         assert o.token_ids == list(tiny.generate_ids(p, params))
 
@@ -119,7 +119,7 @@ def test_a_group_left_in_flight_costs_the_next_request_no_step(tiny, prompts):
     long = SamplingParams(max_tokens=30, ignore_eos=True)
     refs = [list(tiny.generate_ids(p, long)) for p in prompts[:3]]
     llm = LLM(tiny, max_num_seqs=4)
-    llm.eos = {r[9] for r in refs}  # every row ends by an EOS in its second group
+    llm.core.eos = {r[9] for r in refs}  # every row ends by an EOS in its second group
     llm.generate(prompts[:3], SamplingParams(max_tokens=30))
     steps = llm.metrics()["steps"]
     out = llm.generate([prompts[4]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
@@ -131,19 +131,19 @@ def test_a_failure_in_the_bookkeeping_does_not_leave_a_group_running_ahead(tiny,
     long = SamplingParams(max_tokens=30, ignore_eos=True)
     llm = LLM(tiny, max_num_seqs=8)
     seqs = [llm.add_request(p, long) for p in prompts[:4]]
-    real, calls = llm._append, []
+    real, calls = llm.core.append, []
 
     def flaky(seq, toks, lps=None):
         calls.append(1)
         if len(calls) == 6:  # the second row of a decode group
             raise RuntimeError("injected")
         return real(seq, toks, lps)
-    llm._append = flaky
+    llm.core.append = flaky
     with pytest.raises(RuntimeError, match="injected"):
         while llm.has_unfinished():
             llm.step()
-    assert llm._pending is None  # nothing launched from tokens that were not applied
-    llm._append = real
+    assert llm.core.decode.pending is None  # nothing launched from tokens that were not applied
+    llm.core.append = real
     llm.abort(seqs[1])  # the row whose bookkeeping failed (a server fails its request)
     while llm.has_unfinished():
         llm.step()
@@ -157,7 +157,7 @@ def test_pipelined_logprobs_follow_the_reference_logits(tiny, prompts, top):
     p = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=top)
     llm = LLM(tiny, max_num_seqs=4)
     outs = llm.generate(prompts[:3], p)
-    assert llm.runner.relaunches > 0
+    assert llm.core.runner.decode.relaunches > 0
     check_logprobs(tiny, prompts[:3], outs, top=top, n=20)
 
 
@@ -173,18 +173,18 @@ def test_on_the_gpu_pipelined_graph_groups_match_the_reference(prompts, early):
     m = load("preset:tiny-llama", dtype=torch.float32, device="cuda")
     params = [SamplingParams(max_tokens=5 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     llm = LLM(m, max_num_seqs=8)
-    assert llm.runner.capture and llm.runner.early
+    assert llm.core.runner.decode.capture and llm.core.runner.decode.early
     refs = [list(m.generate_ids(p, SamplingParams(max_tokens=41, ignore_eos=True))) for p in prompts]
     outs = llm.generate(prompts, params)
-    assert llm.runner.relaunches > 0 and llm.metrics()["graph_steps"] > 0
+    assert llm.core.runner.decode.relaunches > 0 and llm.metrics()["graph_steps"] > 0
     assert [o.token_ids for o in outs] == [r[:sp.max_tokens] for r, sp in zip(refs, params)]
     eos = next(r[i] for r in refs for i in range(9, 16) if r[i] not in r[:i])
-    llm.eos = {eos}
+    llm.core.eos = {eos}
     outs = llm.generate(prompts, SamplingParams(max_tokens=30))
     for r, o in zip(refs, outs):
         cut = min(r.index(eos) if eos in r else 30, 30)
         assert o.token_ids == r[:cut]
-    llm.eos = set()
+    llm.core.eos = set()
     sampled = [SamplingParams(max_tokens=7 + 5 * i, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
                for i in range(len(prompts))]
     together = [o.token_ids for o in llm.generate(prompts, sampled)]

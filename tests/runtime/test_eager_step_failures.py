@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmaccel import LLM, SamplingParams
-from llmaccel.serve.loop import EngineCore, _Choice
+from llmaccel.serve.loop import EngineLoop, _Choice
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +33,20 @@ def _held_engine(tiny, prompts, params):
     ps = [prompts[1], prompts[4], prompts[6]]  # 7 + 12 + 3 tokens: one prefill step
     seqs = [llm.add_request(p, params) for p in ps]
     llm.step()
-    held = llm._eager_pending
+    held = llm.core.eager.held
     assert held is not None and [s.id for s in held.waiting] == [s.id for s in seqs]
     return llm, ps, seqs
 
 
 def _failing_append(llm, nth):
-    real, calls = llm._append, []
+    real, calls = llm.core.append, []
 
     def flaky(seq, toks, lps=None):
         calls.append(seq)
         if len(calls) == nth:
             raise RuntimeError("injected")
         return real(seq, toks, lps)
-    llm._append = flaky
+    llm.core.append = flaky
     return real, calls
 
 
@@ -59,7 +59,7 @@ def test_a_failure_in_the_held_bookkeeping_leaves_the_other_rows_going_on(tiny, 
     real, calls = _failing_append(llm, 1)  # the first row read
     with pytest.raises(RuntimeError, match="injected"):
         llm.step()
-    llm._append = real
+    llm.core.append = real
     llm.abort(calls[0])  # the request whose bookkeeping failed
     _drain(llm)
     for s, p in zip(seqs, ps):
@@ -69,7 +69,7 @@ def test_a_failure_in_the_held_bookkeeping_leaves_the_other_rows_going_on(tiny, 
 
 
 def test_the_server_loop_recovers_from_a_failure_in_the_held_bookkeeping(tiny, prompts, caplog):
-    """EngineCore fails the requests still running after a failed step. A row that ended (EOS)
+    """EngineLoop fails the requests still running after a failed step. A row that ended (EOS)
     before the failing row must be handed to Scheduler.finish all the same, or it keeps its
     blocks and its place in `running`, has_unfinished() stays true and the loop spins."""
     params = SamplingParams(max_tokens=5)
@@ -77,7 +77,7 @@ def test_the_server_loop_recovers_from_a_failure_in_the_held_bookkeeping(tiny, p
              for p in (prompts[1], prompts[4], prompts[6])]
     assert first[0] not in first[1:]
     llm, ps, seqs = _held_engine(tiny, prompts, params)
-    llm.eos = {first[0]}  # the first row ends on its held token
+    llm.core.eos = {first[0]}  # the first row ends on its held token
 
     class Out:
         def __init__(self):
@@ -95,14 +95,14 @@ def test_the_server_loop_recovers_from_a_failure_in_the_held_bookkeeping(tiny, p
         def publish(self, figures):
             pass
 
-    core = EngineCore(llm, None, Out())
+    core = EngineLoop(llm, None, Out())
     for s in seqs:  # the requests as the loop holds them
         job = types.SimpleNamespace(prompts=[s.token_ids], params=[params], t0=time.perf_counter())
         core._choices.append(_Choice(job, 0, s))
     real, _ = _failing_append(llm, 2)  # the second row read: the first has ended by then
     with caplog.at_level(logging.CRITICAL, logger="llmaccel.serve"):
         core._step()
-        llm._append = real
+        llm.core.append = real
         core._emit()
         assert seqs[0].finish_reason == "stop" and not core._choices
         for _ in range(3):  # what the loop does next while has_unfinished()
@@ -119,14 +119,14 @@ def test_a_failure_after_a_held_step_is_launched_loses_no_tokens(tiny, prompts):
     llm = LLM(tiny, max_num_batched_tokens=64)
     ps = [prompts[1], prompts[4], prompts[6]]
     seqs = [llm.add_request(p, params) for p in ps]
-    hold, n = llm._hold, []
+    hold, n = llm.core.eager._hold, []
 
     def flaky(*a):
         n.append(1)
         if len(n) == 1:
             raise RuntimeError("injected")
         return hold(*a)
-    llm._hold = flaky
+    llm.core.eager._hold = flaky
     with pytest.raises(RuntimeError, match="injected"):
         llm.step()
     _drain(llm)
@@ -157,7 +157,7 @@ def test_the_step_launched_before_the_held_tokens_are_read_does_not_wait_for_the
 
     monkeypatch.setattr(es, "torch", Torch())
     llm = LLM(tiny, max_num_batched_tokens=32)
-    eager_step, apply = llm._eager_step, llm._apply
+    eager_step, apply = llm.core.eager.run, llm.core.eager.apply
 
     def step_beside(plan, proposals, held=None):
         window[0] = held is not None  # from its launch to the read of `held`
@@ -166,7 +166,7 @@ def test_the_step_launched_before_the_held_tokens_are_read_does_not_wait_for_the
     def read(held):
         window[0] = False
         return apply(held)
-    llm._eager_step, llm._apply = step_beside, read
+    llm.core.eager.run, llm.core.eager.apply = step_beside, read
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     outs = llm.generate(prompts[:5], params)
     assert [o.token_ids for o in outs] == [list(tiny.generate_ids(p, params)) for p in prompts[:5]]
@@ -177,18 +177,18 @@ def test_a_failed_verification_leaves_a_separate_draft_able_to_propose(tiny, pro
     """A draft with a cache of its own counts the proposals it fed; when the verification
     forward fails, the next proposal starts again from the sequence's last token."""
     llm = LLM(tiny, speculative="preset:tiny-llama", num_speculative_tokens=2)
-    assert not llm.draft.shared
+    assert not llm.core.draft.shared
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     ps = [prompts[1], prompts[4]]
     seqs = [llm.add_request(p, params) for p in ps]
-    forward, failed = llm._forward, []
+    forward, failed = llm.core.runner.forward, []
 
     def flaky(plan):
         if not failed and any(nl > 1 for _, _, nl in plan):  # a step verifying proposals
             failed.append(1)
             raise RuntimeError("injected")
         return forward(plan)
-    llm._forward = flaky
+    llm.core.runner.forward = flaky
     with pytest.raises(RuntimeError, match="injected"):
         _drain(llm)
     _drain(llm)

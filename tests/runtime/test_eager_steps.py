@@ -23,15 +23,15 @@ def test_the_next_step_is_launched_before_the_tokens_are_read(tiny, prompts):
     # 32 tokens a step: the prompts take several prefill steps, each sampling some rows
     llm = LLM(tiny, max_num_batched_tokens=32)
     order = []
-    forward, apply = llm._forward, llm._apply
-    llm._forward = lambda plan: order.append("launch") or forward(plan)
-    llm._apply = lambda held: order.append("read") or apply(held)
+    forward, apply = llm.core.runner.forward, llm.core.eager.apply
+    llm.core.runner.forward = lambda plan: order.append("launch") or forward(plan)
+    llm.core.eager.apply = lambda held: order.append("read") or apply(held)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == _ref(tiny, prompts, [params] * len(prompts))
     reads = [i for i, e in enumerate(order) if e == "read"]
     assert reads and any(order[i - 1] == "launch" for i in reads)  # read right after a launch
-    assert llm._eager_pending is None and llm.metrics()["kv_blocks_used"] == 0
+    assert llm.core.eager.held is None and llm.metrics()["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize("kw", [
@@ -55,7 +55,7 @@ def test_eos_on_the_first_token_ends_the_request(tiny, prompts):
     params = SamplingParams(max_tokens=8)
     first = [list(tiny.generate_ids(p, SamplingParams(max_tokens=1, ignore_eos=True)))[0] for p in prompts]
     llm = LLM(tiny, max_num_batched_tokens=32)
-    llm.eos = {first[0], first[3]}  # the first token of two requests is their end
+    llm.core.eos = {first[0], first[3]}  # the first token of two requests is their end
     outs = llm.generate(prompts, params)
     for i in (0, 3):
         assert outs[i].token_ids == [] and outs[i].finish_reason == "stop"
@@ -67,7 +67,7 @@ def test_a_request_aborted_while_its_token_is_held(tiny, prompts):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     seqs = [llm.add_request(p, params) for p in prompts[:4]]
     llm.step()
-    held = llm._eager_pending
+    held = llm.core.eager.held
     assert held is not None and held.waiting
     llm.abort(held.waiting[0])
     while llm.has_unfinished():
@@ -85,17 +85,17 @@ def test_a_failed_launch_still_reads_the_held_tokens(tiny, prompts):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     seqs = [llm.add_request(p, params) for p in prompts[1:4]]  # the first prompt ends in step 1
     llm.step()
-    held = llm._eager_pending
+    held = llm.core.eager.held
     assert held is not None
-    forward = llm._forward
+    forward = llm.core.runner.forward
 
     def boom(plan):
         raise RuntimeError("launch failed")
-    llm._forward = boom
+    llm.core.runner.forward = boom
     with pytest.raises(RuntimeError, match="launch failed"):
         llm.step()
-    assert llm._eager_pending is None and all(s.n_output == 1 for s in held.waiting)
-    llm._forward = forward
+    assert llm.core.eager.held is None and all(s.n_output == 1 for s in held.waiting)
+    llm.core.runner.forward = forward
     while llm.has_unfinished():
         llm.step()
     for s, p in zip(seqs, prompts[1:4]):

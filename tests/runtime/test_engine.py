@@ -31,7 +31,7 @@ def test_greedy_matches_reference_executor(tiny, prompts, reference, kw):
     # decode steps run on the decode runner (several sub-steps each) unless a draft proposes
     assert (m["decode_steps"] > m["steps"] // 2) == (not kw.get("speculative"))
     if kw.get("block_size") == 3:  # 52 tokens in blocks of 3: wide tables
-        assert any(w > 8 for _, w, *_ in llm.runner.graphs)
+        assert any(w > 8 for _, w, *_ in llm.core.runner.decode.graphs)
     if kw.get("kv_cache_tokens") == 96:
         assert m["preemptions"] > 0
     if kw.get("speculative") == "preset:tiny-llama":
@@ -202,7 +202,7 @@ def test_kivi_cache_decodes_eagerly():
 
     m = compile("preset:tiny-llama", ["kvquant"], {"kvquant": {"bits": 4, "residual": 32}},
                 eval_tokens=0, progress=False)
-    assert LLM(m).runner is None
+    assert LLM(m).core.runner.decode is None
 
 
 @pytest.mark.parametrize("kw", [{}, {"speculative": "ngram"}], ids=["plain", "ngram"])
@@ -235,7 +235,7 @@ def test_bad_python_inputs_are_one_clear_error(tiny):
         with pytest.raises(LlmaccelError, match=next(iter(kw))):
             SamplingParams(**kw)
     assert SamplingParams(stop=".").stop == ["."]
-    assert llm.metrics()["kv_blocks_used"] == 0 and not llm.sched.has_work()
+    assert llm.metrics()["kv_blocks_used"] == 0 and not llm.core.sched.has_work()
 
 
 def test_abort_frees_blocks_and_leaves_the_others_exact(tiny, prompts, reference):
@@ -264,7 +264,7 @@ def test_small_steps_over_prefix_cache_hits(tiny):
     prompts = [base + [7, 8, 9], base + [11], base[:20] + [5] * 30]
     ref = [list(tiny.generate_ids(p, GREEDY)) for p in prompts]
     llm = LLM(tiny, block_size=4)
-    llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
+    llm.core.runner.steps = StepGraphs(llm.core.runner.gm, llm.core.cache, scratch=llm.core.cache.num_blocks - 1, capture=False,
                            max_tokens=128)
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == ref
     assert llm.metrics()["prefix_cache_hit_tokens"] > 0

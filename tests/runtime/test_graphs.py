@@ -85,8 +85,8 @@ def _capturing_llm(tiny, monkeypatch, **kw) -> LLM:
     monkeypatch.setattr(decode, "cuda_graph", capture)
     monkeypatch.setattr(step_graphs, "cuda_graph", capture)
     llm = LLM(tiny, **kw)
-    llm.runner.capture = True
-    llm.steps = step_graphs.StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1,
+    llm.core.runner.decode.capture = True
+    llm.core.runner.steps = step_graphs.StepGraphs(llm.core.runner.gm, llm.core.cache, scratch=llm.core.cache.num_blocks - 1,
                                        capture=True, pool=object())  # no CUDA pool on a CPU
     return llm
 
@@ -105,19 +105,19 @@ def test_warmup_takes_every_shape_a_load_meets(tiny, prompts, reference, monkeyp
     m0 = llm.metrics()
     bar = capsys.readouterr().err  # the progress bar counts every shape, captured or run
     assert "warming up step shapes" in bar and f"{warm['shapes']}/{warm['shapes']}" in bar
-    widths = llm.runner.widths()
+    widths = llm.core.runner.decode.widths()
     assert widths == sorted(widths, reverse=True) and widths[-1] == step_graphs.MIN_WIDTH
-    assert {llm.runner.bucket(1, w)[1] for w in range(1, llm.runner.max_blocks + 1)} == set(widths)
+    assert {llm.core.runner.decode.bucket(1, w)[1] for w in range(1, llm.core.runner.decode.max_blocks + 1)} == set(widths)
     eager = 2 * 3  # mixed steps at contexts 256 and 300, each beside a prompt of 8, 40 and 47 tokens
-    assert m0["graphs_captured"] == 3 * len(llm.runner.buckets) * 3 + len(llm.steps.warm_keys())
+    assert m0["graphs_captured"] == 3 * len(llm.core.runner.decode.buckets) * 3 + len(llm.core.runner.steps.warm_keys())
     assert warm["shapes"] == m0["graphs_captured"] + eager
     for n in range(1, 9):  # every decode batch within the context meets a warmed shape
         for ctx in (1, 17, context):
             for mode in ("greedy", "sample", "filter"):
-                assert (*llm.runner.bucket(n, -(-ctx // 16)), mode, -1) in llm.runner.graphs
+                assert (*llm.core.runner.decode.bucket(n, -(-ctx // 16)), mode, -1) in llm.core.runner.decode.graphs
     assert m0["graph_capture_s"] > 0
-    for n in range(1, llm.steps.max_tokens + 1):  # every lone prompt from position 0
-        assert llm.steps.shape([([0] * 64, 0, [1] * n)], [1]) in llm.steps.graphs
+    for n in range(1, llm.core.runner.steps.max_tokens + 1):  # every lone prompt from position 0
+        assert llm.core.runner.steps.shape([([0] * 64, 0, [1] * n)], [1]) in llm.core.runner.steps.graphs
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5)
@@ -137,7 +137,7 @@ def test_warmup_of_one_sampling_mode_captures_its_steps_alone(tiny, monkeypatch)
     with pytest.raises(LlmaccelError, match="warm-up modes"):
         llm.warmup(64, modes=("beam",))
     llm.warmup(64, modes=("sample",))
-    assert llm.runner.graphs and {k[2] for k in llm.runner.graphs} == {"sample"}
+    assert llm.core.runner.decode.graphs and {k[2] for k in llm.core.runner.decode.graphs} == {"sample"}
     captured = llm.metrics()["graphs_captured"]
     sampled = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=3)
     want = [o.token_ids for o in LLM(tiny, max_num_seqs=4).generate([[5, 6, 7]] * 3, sampled)]
@@ -152,25 +152,25 @@ def test_warmup_covers_requests_that_end_at_the_context(tiny, monkeypatch):
     llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=2)
     context = 128  # 8 blocks of 16: the narrowest width
     llm.warmup(context)
-    before = set(llm.runner.graphs)
+    before = set(llm.core.runner.decode.graphs)
     g = torch.Generator().manual_seed(1)
     a, b = (torch.randint(3, 500, (n,), generator=g).tolist() for n in (100, 10))
     outs = llm.generate([a, b], [SamplingParams(max_tokens=context - 100, ignore_eos=True),
                                  SamplingParams(max_tokens=context - 10, ignore_eos=True)])
     assert [len(p) + len(o.token_ids) for p, o in zip((a, b), outs)] == [context] * 2
-    assert set(llm.runner.graphs) == before
+    assert set(llm.core.runner.decode.graphs) == before
 
 
 def test_warmup_with_blocks_so_large_that_tables_are_narrower_than_the_narrowest_width(tiny, monkeypatch):
     """Blocks of 128 tokens: a table of the 512-token model holds at most 4 blocks, fewer than the
     narrowest width (8), so every decode shape has width 4; the warm-up captures exactly those."""
     llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=1, block_size=128)
-    assert {llm.runner.bucket(1, w)[1] for w in range(1, 5)} == {4} and llm.runner.widths() == [4]
+    assert {llm.core.runner.decode.bucket(1, w)[1] for w in range(1, 5)} == {4} and llm.core.runner.decode.widths() == [4]
     llm.warmup(512)
-    before = set(llm.runner.graphs)
+    before = set(llm.core.runner.decode.graphs)
     assert before
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=9, ignore_eos=True))
-    assert set(llm.runner.graphs) == before
+    assert set(llm.core.runner.decode.graphs) == before
 
 
 def test_shapes_after_warmup_reuse_its_compiled_forward(tiny, monkeypatch):
@@ -183,9 +183,9 @@ def test_shapes_after_warmup_reuse_its_compiled_forward(tiny, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
     llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=2, compile=True)
     llm.warmup(64)
-    graphs, compiled = set(llm.runner.graphs), counters["stats"]["unique_graphs"]
+    graphs, compiled = set(llm.core.runner.decode.graphs), counters["stats"]["unique_graphs"]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=9, ignore_eos=True, logprobs=0))[0]
-    assert len(out.token_ids) == 9 and set(llm.runner.graphs) > graphs
+    assert len(out.token_ids) == 9 and set(llm.core.runner.decode.graphs) > graphs
     assert counters["stats"]["unique_graphs"] == compiled
 
 
@@ -214,8 +214,8 @@ def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monk
     monkeypatch.setattr(decode, "cuda_graph", fail)
     monkeypatch.setattr(step_graphs, "cuda_graph", fail)
     llm = LLM(tiny)
-    llm.runner.capture = True
-    llm.steps = step_graphs.StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1,
+    llm.core.runner.decode.capture = True
+    llm.core.runner.steps = step_graphs.StepGraphs(llm.core.runner.gm, llm.core.cache, scratch=llm.core.cache.num_blocks - 1,
                                        capture=True, pool=object(),  # no CUDA pool on a CPU
                                        max_seqs=8)
     with pytest.warns(UserWarning, match="run eagerly"):
@@ -240,10 +240,10 @@ def test_small_steps_on_static_buffers_match_reference(tiny, prompts, reference,
     from llmaccel.runtime.step_graphs import StepGraphs
 
     llm = LLM(tiny, **kw)
-    llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
+    llm.core.runner.steps = StepGraphs(llm.core.runner.gm, llm.core.cache, scratch=llm.core.cache.num_blocks - 1, capture=False,
                            max_tokens=128, max_seqs=8)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
-    shapes = set(llm.steps.graphs)
+    shapes = set(llm.core.runner.steps.graphs)
     assert shapes and all(N <= 128 and S in (1, 2, 4, 8) for N, S, _ in shapes)
     assert llm.metrics()["kv_blocks_used"] == 0
     sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5)
@@ -277,10 +277,10 @@ def test_step_graphs_stop_capturing_past_their_cap(tiny, prompts, reference):
     from llmaccel.runtime.step_graphs import StepGraphs
 
     llm = LLM(tiny)
-    llm.steps = StepGraphs(llm.gm, llm.cache, scratch=llm.cache.num_blocks - 1, capture=False,
+    llm.core.runner.steps = StepGraphs(llm.core.runner.gm, llm.core.cache, scratch=llm.core.cache.num_blocks - 1, capture=False,
                            max_graphs=2)
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == reference
-    assert len(llm.steps.graphs) == 2
+    assert len(llm.core.runner.steps.graphs) == 2
 
 
 def test_warm_eager_steps_stay_within_the_context(tiny):
@@ -289,9 +289,9 @@ def test_warm_eager_steps_stay_within_the_context(tiny):
     from llmaccel.runtime.warmup import eager_warm_steps, warm_eager_steps
 
     llm = LLM(tiny)
-    scratch = llm.cache.num_blocks - 1
-    assert warm_eager_steps(llm.gm, llm.cache, scratch, 12) == 2    # prompts of 8 and 12
-    assert warm_eager_steps(llm.gm, llm.cache, scratch, 500) == 2 * 3  # rows at 256 and 500
+    scratch = llm.core.cache.num_blocks - 1
+    assert warm_eager_steps(llm.core.runner.gm, llm.core.cache, scratch, 12) == 2    # prompts of 8 and 12
+    assert warm_eager_steps(llm.core.runner.gm, llm.core.cache, scratch, 500) == 2 * 3  # rows at 256 and 500
     for context in (1, 12, 256, 300, 512):
         steps = eager_warm_steps(context)
         assert max(L for L, _ in steps) == context and all(0 < p <= context for _, p in steps)
@@ -304,11 +304,11 @@ def test_warmup_leaves_the_sequences_kv_alone(tiny, monkeypatch):
     llm = _capturing_llm(tiny, monkeypatch, max_num_seqs=2, block_size=4, kv_cache_tokens=32)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
     llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
-    s = llm.cache.num_blocks - 1
-    before = [t[:s].clone() for t in (*llm.cache.k.values(), *llm.cache.v.values())]
+    s = llm.core.cache.num_blocks - 1
+    before = [t[:s].clone() for t in (*llm.core.cache.k.values(), *llm.core.cache.v.values())]
     warm = llm.warmup(512)
     assert warm["shapes"] > 0 and llm.metrics()["graphs_captured"] < warm["shapes"]  # mixed steps ran
-    after = [t[:s] for t in (*llm.cache.k.values(), *llm.cache.v.values())]
+    after = [t[:s] for t in (*llm.core.cache.k.values(), *llm.core.cache.v.values())]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     out = llm.generate([prompt], GREEDY)[0].token_ids
     assert out == list(tiny.generate_ids(prompt, GREEDY)) and llm.metrics()["prefix_cache_hit_tokens"] > 0

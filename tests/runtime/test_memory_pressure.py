@@ -31,7 +31,7 @@ def test_64_requests_on_a_cache_far_below_the_load_all_finish_exactly(tiny):
     assert [o.token_ids for o in outs] == roomy  # nothing lost, nothing changed by recompute
     assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)
     m = llm.metrics()
-    assert m["preemptions"] > 0 and m["kv_blocks_used"] == 0 and llm.bm.num_free == CACHE // BLOCK
+    assert m["preemptions"] > 0 and m["kv_blocks_used"] == 0 and llm.core.bm.num_free == CACHE // BLOCK
     assert not llm.has_unfinished()
 
 

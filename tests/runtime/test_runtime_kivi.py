@@ -44,7 +44,7 @@ def test_greedy_matches_reference_executor(case, kw):
     assert [o.token_ids for o in outs] == ref
     met = llm.metrics()
     assert met["kv_blocks_used"] == 0 and met["prefix_caching"] is False
-    assert met["block_size"] == llm.cache.group
+    assert met["block_size"] == llm.core.cache.group
     if "kv_cache_tokens" in kw:
         assert met["preemptions"] > 0
 
@@ -65,7 +65,7 @@ def test_cache_holds_the_reference_packed_bytes():
     forward(m.gm, torch.tensor([prompt]), 0, ref)
     for i, t in enumerate(seq.output_ids[: n - len(prompt)]):
         forward(m.gm, torch.tensor([[t]]), len(prompt) + i, ref)
-    c, g = llm.cache, llm.cache.group
+    c, g = llm.core.cache, llm.core.cache.group
     assert seq.kivi_nq * g == ref.layers[0].n_q == quantized_len(n, ref.specs[0]) > len(prompt)
     close = dict(rtol=1e-5, atol=1e-5)
     for layer, st in ref.layers.items():
@@ -109,13 +109,13 @@ def test_bytes_per_token_and_sizing():
     m = _compile(4)
     llm = LLM(m, kv_cache_tokens=4096)
     met = llm.metrics()
-    want = sum(bytes_per_token(llm.cache.kv_quant_spec(i), 2, 16, scale_bytes=4) for i in range(2))
+    want = sum(bytes_per_token(llm.core.cache.kv_quant_spec(i), 2, 16, scale_bytes=4) for i in range(2))
     assert met["kv_bytes_per_token"] == pytest.approx(want)
     assert met["kv_bytes_per_token"] < met["kv_bytes_per_token_fp"] / 3
     assert met["kv_cache_tokens"] == 4096 and met["kv_cache_bytes_per_token"] < met["kv_bytes_per_token_fp"]
     # From a byte budget the packed format holds several times the tokens of the fp cache.
-    layers, budget = llm.cache.layers, 64 << 20
-    nf, nq = pool_sizes(layers, llm.kivi, torch.float32, max_num_seqs=256, budget_bytes=budget)
+    layers, budget = llm.core.cache.layers, 64 << 20
+    nf, nq = pool_sizes(layers, llm.core.backend.spec, torch.float32, max_num_seqs=256, budget_bytes=budget)
     assert (nf + nq) * 32 > 4 * budget // met["kv_bytes_per_token_fp"]
 
 

@@ -57,13 +57,13 @@ def test_greedy_matches_reference_executor(case, kw, monkeypatch):
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ref
     # the decode runner's groups: every running row at once, padded to its batch bucket
-    assert max(stacked) == llm.runner.bucket(kw.get("max_num_seqs", len(prompts)), 1)[0]
+    assert max(stacked) == llm.core.runner.decode.bucket(kw.get("max_num_seqs", len(prompts)), 1)[0]
     met = llm.metrics()
-    assert met["decode_steps"] > 0 and llm.runner.launches > 0
+    assert met["decode_steps"] > 0 and llm.core.runner.decode.launches > 0
     assert max(grouped) == (4 if not kw else 2)   # lengths 70, 40, 33, 5 together; 1 alone
     assert met["kv_blocks_used"] == 0 and met["prefix_caching"] is False
     assert met["kv_blocks_total"] == kw.get("max_num_seqs", met["kv_blocks_total"])
-    assert met["sla_state_bytes"] == llm.cache.nbytes() > 0
+    assert met["sla_state_bytes"] == llm.core.cache.nbytes() > 0
 
 
 def test_speculative_decoding_is_refused(case):
@@ -141,7 +141,7 @@ def test_a_decode_group_that_fails_is_computed_again(case, where):
     and the output is still the reference's."""
     m, prompts, ref = case
     llm = LLM(m)
-    real = getattr(llm.runner, where)
+    real = getattr(llm.core.runner.decode, where)
     calls = []
 
     def flaky(*a):
@@ -152,7 +152,7 @@ def test_a_decode_group_that_fails_is_computed_again(case, where):
         if len(calls) == 2:   # the group ran; the host never learns it did
             raise RuntimeError("broke off")
         return out
-    setattr(llm.runner, where, flaky)
+    setattr(llm.core.runner.decode, where, flaky)
     seqs = [llm.add_request(p, GREEDY) for p in prompts]
     with pytest.raises(RuntimeError, match="broke off"):
         while llm.has_unfinished():
@@ -160,27 +160,26 @@ def test_a_decode_group_that_fails_is_computed_again(case, where):
     while llm.has_unfinished():
         llm.step()
     assert [s.output_ids for s in seqs] == ref
-    assert llm.sched.preemptions > 0
+    assert llm.core.sched.preemptions > 0
 
 
-def test_all_slots_at_once_fit_the_memory_budget(case, monkeypatch):
+def test_all_slots_at_once_fit_the_memory_budget(case):
     """With CUDA graphs every slot's states are allocated at once: max_num_seqs is lowered (with a
     warning) to what the memory budget holds, and an engine whose budget holds none is refused."""
+    from llmaccel.runtime.cache_backend import SlaBackend
+
     m = case[0]
-    llm = LLM(m)
     specs = sla_specs(m.gm)
     size = 2 * sum(state_bytes(sp["n_kv_heads"], sp["head_dim"], sp["kernel_size"], 4,
                                sp.get("window", 0), sp.get("sinks", 0)) for sp in specs.values())
     for budget, slots in ((10 ** 12, 256), (11 * size, 10)):   # 10 slots and the scratch pair
-        monkeypatch.setattr(llm, "_default_tokens", lambda *a, b=budget: b)
         if slots < 256:
             with pytest.warns(UserWarning, match="max_num_seqs lowered from 256 to 10"):
-                assert llm._sla_slots(specs, 256, 8192, 0.9) == slots
+                assert SlaBackend._slots(specs, 256, torch.float32, budget) == slots
         else:
-            assert llm._sla_slots(specs, 256, 8192, 0.9) == slots
-    monkeypatch.setattr(llm, "_default_tokens", lambda *a: size)
+            assert SlaBackend._slots(specs, 256, torch.float32, budget) == slots
     with pytest.raises(LlmaccelError, match="no GPU memory left"):
-        llm._sla_slots(specs, 256, 8192, 0.9)
+        SlaBackend._slots(specs, 256, torch.float32, size)
 
 
 def test_new_prompts_group_while_padding_stays_within_their_tokens():
