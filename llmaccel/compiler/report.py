@@ -14,7 +14,8 @@ def _fmt(v) -> str:
 
 def render_markdown(r: dict) -> str:
     lines = [f"# Compile report: {r['source']}", "",
-             f"dtype {r['dtype']}; calibration: {r['calib']} ({r['calib_split']})"
+             f"dtype {r['dtype']}; calibration: {r['calib']}"
+             + ("" if r["calib"] in ("self", "mixed") else f" ({r['calib_split']})")  # split: files only
              + (f"; compared with {r['baseline']}" if r.get("baseline") else ""), ""]
     if r["passes"]:
         lines += ["| pass | exact | changed | stats | verify max abs | seconds |",
