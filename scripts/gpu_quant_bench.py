@@ -1,7 +1,7 @@
 """GPU benchmark: int4 / int8 weight-only linear kernels against bf16 F.linear at decode batches.
 
-Llama-3.2-1B matrices (K in x N out): 2048x8192 (gate/up), 8192x2048 (down), 2048x128256 (LM
-head), 2048x2048 (q/o), 2048x512 (k/v); batches 1, 4, 16. Each case first checks the default
+Llama-3.2-1B matrices (K in x N out) as the engine runs them after `fuse`: 2048x16384 (gate_up),
+2048x3072 (qkv), 8192x2048 (down), 2048x2048 (o), 2048x128256 (LM head); batches 1, 4, 16. Each case first checks the default
 kernels against the reference (dequantize, then matmul in fp32), then times, per call:
 bf16 F.linear, int4 and int8 with the default tiles, and (sweep) every candidate tiling, keeping
 the best. Timing: one CUDA graph of many calls (launch overhead excluded, as in a captured decode
@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 COPY_BW = 4.27e12
-SHAPES = [(2048, 8192), (8192, 2048), (2048, 128256), (2048, 2048), (2048, 512)]  # (K, N)
+# (K, N): the fused shapes, since TUNED is keyed by shape and a tile tuned for unfused gate or
+# q never applies to the fused linears the decode step runs
+SHAPES = [(2048, 16384), (2048, 3072), (8192, 2048), (2048, 128256), (2048, 2048)]
 ROTATE_BYTES = 128 << 20
 
 
