@@ -36,17 +36,6 @@ def check_model_flag(value: str | None, flag: str) -> None:
         raise LlmaccelError(f"{flag}: unknown model {value!r}; {sources_hint()}")
 
 
-def check_draft(value: str | None) -> None:
-    """--speculative of generate, bench and serve: ngram, self[:...] (the engine reads its
-    kind), or a draft model that exists."""
-    from llmaccel.compiler.sources import names_a_source, sources_hint
-
-    if value is None or value == "ngram" or value.startswith("self") or names_a_source(value):
-        return
-    raise LlmaccelError(f"--speculative: unknown draft {value!r}; use ngram, self, self:N, "
-                        f"self:int8, self:int4 or a draft model ({sources_hint()})")
-
-
 def cmd_compile(a) -> None:
     from llmaccel.compiler.artifact import check_output
     from llmaccel.compiler.pipeline import compile
@@ -120,6 +109,7 @@ def cmd_eval(a) -> None:
 
 
 def cmd_generate(a) -> None:
+    from llmaccel.compiler.sources import check_draft
     from llmaccel.runtime.engine import LLM
     from llmaccel.sampling import SamplingParams
 

@@ -33,6 +33,18 @@ def set_weight(root: nn.Module, name: str, value: torch.Tensor) -> None:
     mod.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
 
 
+def get_attr(gm: nn.Module, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def graph_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every tensor the graph reads through get_attr, by target name."""
+    return {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+
+
 def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """{op name: nodes}: IR ops by their table name, anything else as glue:NAME."""
     c: Counter = Counter()

@@ -106,3 +106,35 @@ def test_the_op_table_names_each_kernel_module():
             continue
         importlib.import_module(f"llmaccel.kernels.{spec.kernel}")
         assert hasattr(torch.ops.llmaccel, name), (name, spec.kernel)
+
+
+def test_every_context_declares_the_step_contract_and_a_missing_state_is_one_line():
+    """The stateful ops call StepContext's methods directly; each context class subclasses it,
+    and a context without the state a layer needs says which in one line."""
+    from llmaccel.compiler.executor import forward
+    from llmaccel.compiler.model import load
+    from llmaccel.compiler.pipeline import compile
+    from llmaccel.errors import LlmaccelError
+    from llmaccel.ops.attention import ContiguousKVCache
+    from llmaccel.ops.context import StepContext
+    from llmaccel.ops.kvquant import QuantizedKVCache
+    from llmaccel.ops.sla import LinearAttentionCache
+    from llmaccel.runtime.decode import DecodeContext
+    from llmaccel.runtime.kivi_cache import KiviContext
+    from llmaccel.runtime.kv_cache import PagedContext
+    from llmaccel.runtime.sla_states import SlaContext, SlaDecodeContext
+
+    for cls in (ContiguousKVCache, QuantizedKVCache, LinearAttentionCache, PagedContext, DecodeContext,
+                KiviContext, SlaContext, SlaDecodeContext):
+        assert issubclass(cls, StepContext), cls
+    ids = torch.tensor([[5, 6, 7]])
+    plain = load("preset:tiny-llama")
+    sla = compile("preset:tiny-llama", ["sla"], {"sla": {"init": "zeros"}}, eval_tokens=0, progress=False)
+    kv4 = compile("preset:tiny-llama", ["kvquant"], {}, eval_tokens=0, progress=False)
+    cases = [(plain, LinearAttentionCache(1, 8, torch.float32, "cpu"), "holds no KV cache"),
+             (sla, ContiguousKVCache(1, 8, torch.float32, "cpu"), "needs a recurrent-state context"),
+             (kv4, ContiguousKVCache(1, 8, torch.float32, "cpu"), "expects a KV cache quantized")]
+    for m, ctx, msg in cases:
+        with pytest.raises(LlmaccelError, match=msg) as e:
+            forward(m.gm, ids, 0, ctx)
+        assert "\n" not in str(e.value)

@@ -12,7 +12,7 @@ def _bool_or_auto(v: str) -> bool | None:
 
 def cmd_bench(a) -> None:
     from llmaccel.bench.run import bench, render
-    from llmaccel.cli import check_draft
+    from llmaccel.compiler.sources import check_draft
     from llmaccel.passes.base import parse_sets
 
     check_draft(a.speculative)
@@ -60,13 +60,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(fn=cmd_bench, flags={"temperature": "--temperature", "top_k": "--top-k",
                                         "top_p": "--top-p"})
-
-
-def main(argv=None) -> int:
-    """Run `bench` alone (python -m llmaccel.bench ...), with llmc's error handling."""
-    import sys
-
-    from llmaccel import cli
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    return cli.main(args if args[:1] == ["bench"] else ["bench", *args])

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from llmaccel import ops
-from llmaccel.ir import attention_layers
-from llmaccel.compiler.model import get_attr
+from llmaccel.ir import attention_layers, get_attr
 from llmaccel.errors import LlmaccelError
 
 def weight_bytes_per_step(gm: torch.fx.GraphModule) -> int:

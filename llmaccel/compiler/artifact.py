@@ -66,7 +66,7 @@ def check_output(path, force: bool = False, force_flag: str = "force=True", *, k
 def _write_files(model, path: Path, report: dict | None) -> None:
     from safetensors.torch import save_file
 
-    from llmaccel.compiler.model import graph_weights
+    from llmaccel.ir import graph_weights
 
     # Clone so that views of one storage (splits, tied weights) are saved as separate tensors.
     weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in graph_weights(model.gm).items()}
@@ -119,8 +119,9 @@ def read_manifest(path: Path) -> dict:
 
 
 def read_artifact(path, *, dtype=torch.float32, device="cpu"):
+    """(config, weights, tokenizer folder or None, manifest) of a checked artifact folder;
+    compiler/sources.py makes them a Source."""
     from llmaccel.compiler.filecheck import load_safetensors
-    from llmaccel.compiler.sources import Source
 
     path = Path(path)
     manifest = read_manifest(path)
@@ -129,4 +130,4 @@ def read_artifact(path, *, dtype=torch.float32, device="cpu"):
     weights = load_safetensors(path / "model.safetensors", device=device)
     weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     tok = str(path) if (path / "tokenizer_config.json").exists() else None
-    return Source(str(path), "artifact", cfg, weights, tok, manifest)
+    return cfg, weights, tok, manifest

@@ -14,7 +14,7 @@ from llmaccel.compiler.serialize import graph_from_json
 from llmaccel.compiler.sources import resolve
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
-from llmaccel.ir import op_counts, set_weight
+from llmaccel.ir import get_attr, op_counts, set_weight
 from llmaccel.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -48,18 +48,6 @@ def resolve_device(name: str | torch.device) -> str:
             raise LlmaccelError(f"device {str(name)!r}: this machine has {torch.cuda.device_count()} "
                                 f"CUDA device(s)")
     return str(dev)
-
-
-def get_attr(gm: nn.Module, target: str) -> torch.Tensor:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def graph_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Every tensor the graph reads through get_attr, by target name."""
-    return {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
 def build_graph_module(graph: torch.fx.Graph, weights: dict[str, torch.Tensor], name: str) -> torch.fx.GraphModule:

@@ -166,7 +166,7 @@ def resolve(src: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> So
     if p.is_dir() and (p / MANIFEST).is_file():
         from llmaccel.compiler.artifact import read_artifact
 
-        return read_artifact(p, dtype=dtype, device=device)
+        return Source(str(p), "artifact", *read_artifact(p, dtype=dtype, device=device))
     if p.is_dir() and (p / "config.json").exists():
         cfg, w = read_hf_dir(p)
         return Source(src, "hf", cfg, cast(w), str(p))
@@ -174,3 +174,12 @@ def resolve(src: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> So
         raise LlmaccelError(f"{src}: not a model (expected an HF directory with config.json, "
                             f"an llmaccel artifact or a .gguf file)")
     raise LlmaccelError(f"unknown model {src!r}; {sources_hint()}")
+
+
+def check_draft(value: str | None) -> None:
+    """--speculative of generate, bench and serve: ngram, self[:...] (the engine reads its
+    kind), or a draft model that exists."""
+    if value is None or value == "ngram" or value.startswith("self") or names_a_source(value):
+        return
+    raise LlmaccelError(f"--speculative: unknown draft {value!r}; use ngram, self, self:N, "
+                        f"self:int8, self:int4 or a draft model ({sources_hint()})")

@@ -10,27 +10,14 @@ score graphs it holds (`graph_forward`) without a compiled model around them.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.eval.text import read_split, text_encoder
+from llmaccel.eval.text import CALIB_SPLITS, DATA_DIR, DOMAINS, mixed_tokens, read_split, text_encoder
 from llmaccel.ir import positions
-
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"   # package data (pyproject)
-
-# name -> (file under llmaccel/data/, split): the evaluation text of each domain
-DOMAINS: dict[str, tuple[str, str]] = {
-    "wikitext2": ("wikitext2/wiki.test.raw", "second-half"),
-    "python-code": ("python-code/stdlib.py.txt", "first-half"),
-    "python-docs": ("python-docs/topics.txt", "first-half"),
-}
-# name -> split: the calibration part of each domain's file, disjoint from its evaluation part
-CALIB_SPLITS: dict[str, str] = {"wikitext2": "first-half", "python-code": "second-half",
-                                "python-docs": "second-half"}
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,25 +47,6 @@ def domain_tokens(encode: Callable[[str], list[int]], max_tokens: int, names=Non
             raise LlmaccelError(f"domain {name}: fewer than 2 tokens")
         out[name] = torch.tensor(ids, dtype=torch.long)
     return out
-
-
-def mixed_tokens(encode: Callable[[str], list[int]], max_tokens: int, ctx: int) -> torch.Tensor:
-    """Calibration text of every domain: windows of `ctx` ids taken in turn from each domain's
-    calibration part (CALIB_SPLITS) until there are max_tokens; a domain whose part runs out
-    leaves the turn to the others. Quantized on wikitext2 alone, a model loses 2-4x more on
-    code than on prose (docs/quality.md, "quant")."""
-    parts = []
-    for name, split in CALIB_SPLITS.items():
-        ids = encode(read_split(str(DATA_DIR / DOMAINS[name][0]), split))
-        parts.append([ids[s: s + ctx] for s in range(0, len(ids) - ctx + 1, ctx)])
-    out: list[int] = []
-    for i in range(max(map(len, parts))):
-        for windows in parts:
-            if i < len(windows) and len(out) < max_tokens:
-                out += windows[i][: max_tokens - len(out)]
-    if len(out) < 2:
-        raise LlmaccelError(f"the bundled texts give fewer than one window of {ctx} tokens")
-    return torch.tensor(out, dtype=torch.long)
 
 
 def window_batches(ids: torch.Tensor, ctx: int, size: int):

@@ -29,6 +29,38 @@ def read_split(path: str, split: str) -> str:
     return {"first-half": text[:half], "second-half": text[half:], "all": text}[split]
 
 
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"   # package data (pyproject): the bundled texts
+
+# name -> (file under llmaccel/data/, split): the evaluation text of each domain
+DOMAINS: dict[str, tuple[str, str]] = {
+    "wikitext2": ("wikitext2/wiki.test.raw", "second-half"),
+    "python-code": ("python-code/stdlib.py.txt", "first-half"),
+    "python-docs": ("python-docs/topics.txt", "first-half"),
+}
+# name -> split: the calibration part of each domain's file, disjoint from its evaluation part
+CALIB_SPLITS: dict[str, str] = {"wikitext2": "first-half", "python-code": "second-half",
+                                "python-docs": "second-half"}
+
+
+def mixed_tokens(encode: Callable[[str], list[int]], max_tokens: int, ctx: int) -> torch.Tensor:
+    """Calibration text of every domain: windows of `ctx` ids taken in turn from each domain's
+    calibration part (CALIB_SPLITS) until there are max_tokens; a domain whose part runs out
+    leaves the turn to the others. Quantized on wikitext2 alone, W4 loses twice as much on code
+    and docs as on prose (docs/quality.md, "quant")."""
+    parts = []
+    for name, split in CALIB_SPLITS.items():
+        ids = encode(read_split(str(DATA_DIR / DOMAINS[name][0]), split))
+        parts.append([ids[s: s + ctx] for s in range(0, len(ids) - ctx + 1, ctx)])
+    out: list[int] = []
+    for i in range(max(map(len, parts))):
+        for windows in parts:
+            if i < len(windows) and len(out) < max_tokens:
+                out += windows[i][: max_tokens - len(out)]
+    if len(out) < 2:
+        raise LlmaccelError(f"the bundled texts give fewer than one window of {ctx} tokens")
+    return torch.tensor(out, dtype=torch.long)
+
+
 def text_encoder(model) -> Callable[[str], list[int]]:
     """text -> token ids for `model`: its tokenizer; for a model without one (a preset) whose
     vocabulary has at least 256 ids, the text's UTF-8 bytes, one id per byte, so that a preset
@@ -193,7 +225,5 @@ def load_tokens(model, text: str, split: str, max_tokens: int | None, *, ctx: in
         return sampled_tokens(model, max_tokens or 4 * ctx, seq_len=ctx, seed=seed, progress=progress,
                               purpose=purpose)
     if text == "mixed":  # the bundled texts' calibration parts, `split` aside
-        from llmaccel.eval.domains import mixed_tokens
-
         return mixed_tokens(text_encoder(model), max_tokens or 4 * ctx, ctx)
     return file_tokens(model, text, split, max_tokens)

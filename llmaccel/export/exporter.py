@@ -21,9 +21,9 @@ from onnx import TensorProto
 
 from llmaccel.compiler.artifact import check_output
 from llmaccel.compiler.atomic import atomic_dir
-from llmaccel.compiler.model import Model, get_attr
+from llmaccel.compiler.model import Model
 from llmaccel.errors import LlmaccelError
-from llmaccel.ir import attention_layers
+from llmaccel.ir import attention_layers, get_attr
 from llmaccel.export import refusals
 from llmaccel.export.builder import DATA_FILE, NP_DTYPES, ExternalData, GraphBuilder
 from llmaccel.export.folder import MANIFEST, MODEL_FILE, is_export_dir

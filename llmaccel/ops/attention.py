@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmaccel.ops.context import StepContext
+
 
 def split_heads(x: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
     B, T, _ = x.shape
@@ -33,7 +35,7 @@ def causal_attention(q, k, v, *, n_heads: int, n_kv_heads: int, head_dim: int,
     return merge_heads(attend_heads(qh, kh, vh, scale=scale, causal=q.shape[1] > 1))
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(StepContext):
     """Attention context for the reference executor: one contiguous K/V buffer per layer.
 
     `length` tokens are stored; a forward of T tokens writes them at [length, length + T) and

@@ -24,6 +24,7 @@ import torch.fx
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.attention import attend_heads, causal_attention, merge_heads, split_heads
+from llmaccel.ops.context import StepContext
 
 BITS = (2, 4)
 
@@ -152,8 +153,7 @@ def kv_quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, *
     if ctx is None:
         return causal_attention(q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                 head_dim=head_dim, scale=scale)
-    spec_of = getattr(ctx, "kv_quant_spec", None)
-    if spec_of is None or spec_of(layer) != kv_quant:
+    if ctx.kv_quant_spec(layer) != kv_quant:
         raise LlmaccelError(f"attention layer {layer} expects a KV cache quantized as {kv_quant}; "
                             f"build the context with llmaccel.compiler.executor.make_cache")
     return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads,
@@ -231,7 +231,7 @@ class _LayerStore:
         self.n_q = keep
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(StepContext):
     """Attention context with a KIVI-quantized KV cache (same protocol as ContiguousKVCache).
 
     `specs` maps layer -> kv_quant spec; a layer without one is kept in full precision.

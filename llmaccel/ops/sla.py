@@ -26,6 +26,7 @@ import torch
 import torch.fx
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.context import StepContext
 from llmaccel.ops.sla_window import (empty_kept, ring_decode, ring_state, to_ring, window_forward,
                                      window_state, window_state_bytes, window_whole)
 
@@ -205,11 +206,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx,
         kw.update(window=window, sinks=sinks, scale=scale, mix=mix)
     if ctx is None:
         return sla_forward(q, k, v, conv_weight, with_state=False, **kw)[0]
-    attend = getattr(ctx, "linear_attend", None)
-    if attend is None:
-        raise LlmaccelError(f"layer {layer} is linear attention (sla) and needs a recurrent-state "
-                            f"context, not a KV cache; build it with llmaccel.compiler.executor.make_cache")
-    return attend(layer, q, k, v, conv_weight, **kw)
+    return ctx.linear_attend(layer, q, k, v, conv_weight, **kw)
 
 
 torch.fx.wrap("linear_attention")
@@ -224,7 +221,7 @@ def state_bytes(n_kv_heads: int, head_dim: int, kernel_size: int, dtype_bytes: i
         (window_state_bytes(n_kv_heads, head_dim, window, sinks, dtype_bytes) if window else 0)
 
 
-class LinearAttentionCache:
+class LinearAttentionCache(StepContext):
     """Attention context for sla graphs in the reference executor (ContiguousKVCache's protocol).
 
     A forward of T tokens computes each layer's state after them from the committed state (so a

@@ -17,7 +17,7 @@ table instead of matching module paths or names.
               attention ops go through the runtime's contexts: runtime/kv_cache.py and
               runtime/decode.py call kernels/paged_attention.py and paged_rope.py, the KIVI
               cache kernels/paged_kivi.py)
-    context   takes an attention context as its fourth argument (AttentionContext below)
+    context   takes an attention context as its fourth argument (a subclass of ops/context.StepContext)
     eager_only  its custom op is taken only by graphs run uncompiled (lower(select="eager"): the
               engine's prefill and mixed steps); a compiled step keeps the reference, which
               Inductor fuses with its neighbours and the GEMV rewrites read
@@ -29,23 +29,13 @@ none is refused with the reason export/refusals.py gives (tests/export checks bo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from llmaccel import ops
 from llmaccel.ops import bitlinear as bl
 from llmaccel.ops import collective, kvquant, quant, repbn, sla, sparse
-
-
-class AttentionContext(Protocol):
-    """What an attention op asks of the context it is given (the reference executor's caches,
-    the runtime's paged contexts, a training step's none): store this layer's k and v and
-    attend over everything the context holds for it. `rope`, when given, is (cos, sin,
-    positions) of a graph whose RoPE was folded into the attention (codegen/rope.py)."""
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, n_heads: int,
-               n_kv_heads: int, head_dim: int, scale: float, **kw) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from llmaccel.kernels.paged_rope import paged_rope_decode_cpu, slots_of  # also 
 from llmaccel.codegen.kernel_ops import load_kernel_modules
 from llmaccel.codegen.lower import lower
 from llmaccel.codegen.rope import fuse_rope
+from llmaccel.ops.context import StepContext
 from llmaccel.runtime.kv_cache import PagedKVCache, used_blocks
 from llmaccel.runtime.step_graphs import MIN_WIDTH, cuda_graph, pow2_at_least
 from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
@@ -55,7 +56,7 @@ def batch_buckets(max_seqs: int) -> list[int]:
     return out + [max_seqs]
 
 
-class DecodeContext:
+class DecodeContext(StepContext):
     """The attention context of a decode sub-step: one query per row at positions `pos` (B,),
     block tables (B, W); the KV slot and context length of each row come from them."""
 

@@ -68,7 +68,7 @@ class LLM:
             if world > 1:
                 tp_ranks.check_world(self.model.config, world, str(self.model.device))
                 if not tp_ranks.dist.is_initialized():  # spawn the other ranks; this one is rank 0
-                    self.ranks = tp_ranks.RankGroup(source, world, dict(
+                    self.ranks = tp_ranks.RankGroup(type(self), source, world, dict(
                         block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
                         enable_prefix_caching=enable_prefix_caching,

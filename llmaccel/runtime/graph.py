@@ -8,16 +8,15 @@ import torch
 import torch.fx
 
 from llmaccel import ops
-from llmaccel.ir import is_op
+from llmaccel.ir import get_attr, is_op
 from llmaccel.ops import quant as qops
 from llmaccel.compiler.families import capture, weight_shapes
-from llmaccel.compiler.model import get_attr
 from llmaccel.errors import LlmaccelError
 
 
 def select_rows(x: torch.Tensor, ctx) -> torch.Tensor:
     """Keep the token rows whose logits the step samples from (a prefill chunk needs none)."""
-    idx = getattr(ctx, "logits_indices", None)
+    idx = None if ctx is None else ctx.logits_indices
     return x if idx is None else x.index_select(1, idx)
 
 

@@ -22,6 +22,7 @@ import llmaccel.kernels.paged_kivi  # noqa: F401  (registers torch.ops.llmaccel.
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
 from llmaccel.ops.attention import attend_heads
+from llmaccel.ops.context import StepContext
 from llmaccel.ops.kvquant import (dequantize_keys, dequantize_values, quantize_keys,
                                   quantize_values)
 from llmaccel.runtime.kivi_blocks import query_boundary
@@ -128,7 +129,7 @@ class SeqStep:
     fp: list[int]      # fp block ids of logical blocks q0..; -1: no fp copy (tokens in this chunk)
 
 
-class KiviContext:
+class KiviContext(StepContext):
     """The attention context of one step over a KiviPagedCache (see PagedContext).
 
     The first n_decode rows are single-token sequences: batched through `_decode` (write, age,

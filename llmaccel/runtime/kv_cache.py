@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 import llmaccel.kernels.paged_attention  # noqa: F401  (registers torch.ops.llmaccel.paged_*)
+from llmaccel.ops.context import StepContext
 
 
 class PagedKVCache:
@@ -38,7 +39,7 @@ class PagedKVCache:
             t[dst] = t[src]
 
 
-class PagedContext:
+class PagedContext(StepContext):
     """Per-step metadata plus the cache; built by `build_step` and passed as the graph's ctx."""
 
     def __init__(self, cache: PagedKVCache, n_decode: int, slot_mapping, block_tables, context_lens,

@@ -28,6 +28,7 @@ import torch
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import op_nodes
+from llmaccel.ops.context import StepContext
 from llmaccel.ops.sla import empty_state, linear_attention, prompts_forward, sla_forward
 from llmaccel.ops.sla_window import from_ring, to_ring
 
@@ -128,7 +129,7 @@ class SlaStates:
         return sum(t.nbytes for st in self.store.values() for t in st)
 
 
-class _LinearOnly:
+class _LinearOnly(StepContext):
     def attend(self, layer, *args, **kw):
         raise LlmaccelError(f"layer {layer} is softmax attention in a graph with linear attention; "
                             f"LLM runs graphs whose attention layers are all sla")

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from llmaccel.compiler.model import Model
 from llmaccel.errors import LlmaccelError
 from llmaccel.parallel import tp
 
@@ -51,18 +52,15 @@ def rank_device(device: str | None, rank: int) -> str:
 
 def shard_model(model, rank: int, world: int):
     """Rank `rank`'s Model: `model`'s graph cut for it (tp.shard), its tokenizer kept."""
-    from llmaccel.compiler.model import Model
-
     gm, cfg = tp.shard(model.gm, model.config, rank=rank, world=world,
                        group=dist.group.WORLD.group_name)
     return Model(gm, cfg, source=model.source, tokenizer_dir=model.tokenizer_dir, recipe=model.recipe,
                  dtype=model.dtype, device=model.device)
 
 
-def _worker(rank: int, world: int, port: int, source: str, kwargs: dict, conn) -> None:
-    """A worker rank: its engine over its shard, applying rank 0's commands step by step."""
-    from llmaccel.runtime.engine import LLM
-
+def _worker(engine, rank: int, world: int, port: int, source: str, kwargs: dict, conn) -> None:
+    """A worker rank: its engine (`engine`, the LLM class) over its shard, applying rank 0's
+    commands step by step."""
     device = rank_device(kwargs.get("device"), rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -71,7 +69,7 @@ def _worker(rank: int, world: int, port: int, source: str, kwargs: dict, conn) -
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=TIMEOUT)
     try:
-        llm = LLM(source, **{**kwargs, "device": device}, tensor_parallel_size=world)
+        llm = engine(source, **{**kwargs, "device": device}, tensor_parallel_size=world)
         conn.send(("ready", None))
         seqs = []
         while True:
@@ -96,8 +94,9 @@ def _worker(rank: int, world: int, port: int, source: str, kwargs: dict, conn) -
 class RankGroup:
     """Rank 0's side of the workers it spawned: commands queued between steps, sent with each."""
 
-    def __init__(self, source, world: int, kwargs: dict):
-        from llmaccel.compiler.model import Model
+    def __init__(self, engine, source, world: int, kwargs: dict):
+        """engine: the LLM class each worker builds (passed, not imported: engine.py imports
+        this module)."""
 
         self.world, self.pending, self.index = world, [], {}
         self._tmp = None
@@ -111,7 +110,7 @@ class RankGroup:
         self.conns, self.procs = [], []
         for r in range(1, world):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world, port, source, kwargs, there), daemon=True)
+            p = ctx.Process(target=_worker, args=(engine, r, world, port, source, kwargs, there), daemon=True)
             p.start()
             self.conns.append(here)
             self.procs.append(p)

@@ -21,7 +21,7 @@ def _check(a) -> None:
             raise LlmaccelError(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(a, name)}")
     if a.port > 65535:
         raise LlmaccelError(f"--port must be at most 65535, got {a.port}")
-    from llmaccel.cli import check_draft
+    from llmaccel.compiler.sources import check_draft
 
     check_draft(a.speculative)
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from llmaccel.bench import cli as bench_cli
+from llmaccel.cli import main as llmc
 from llmaccel.bench.run import decode_timeline, kv_bytes_per_step, weight_bytes_per_step
 from llmaccel.compiler.model import load
 
@@ -12,7 +12,7 @@ ARGS = ["preset:tiny-llama", "--batch", "2", "--prompt-len", "6", "--gen-len", "
 
 
 def test_bench_prints_json(capsys):
-    assert bench_cli.main(ARGS) == 0
+    assert llmc(["bench", *ARGS]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
     assert res["batch"] == 2 and res["prompt"] == 6 and res["gen"] == 5
@@ -39,18 +39,18 @@ def test_bench_runs_on_an_artifact_only_the_passes_it_lacks(capsys, tmp_path):
     compile("preset:tiny-llama", ["fuse"], eval_tokens=0, progress=False).save(art)
     short = [str(art), "--prompt-len", "4", "--gen-len", "2", "--warmup", "0", "--no-bw", "--json"]
     for extra in ([], ["--passes", ""]):  # the default --passes fuse is not run a second time
-        assert bench_cli.main([*short, *extra]) == 0
+        assert llmc(["bench", *short, *extra]) == 0
         out = capsys.readouterr().out.strip().splitlines()
         assert json.loads(out[-1])["passes"] == ["fuse"] and "(passes: fuse;" in out[0]
-    assert bench_cli.main([*short, "--set", "fuse.norms=false"]) == 2
+    assert llmc(["bench", *short, "--set", "fuse.norms=false"]) == 2
     assert "has run fuse already" in capsys.readouterr().err
 
 
 def test_bench_rejects_bad_sizes(capsys):
-    assert bench_cli.main(["preset:tiny-llama", "--batch", "0", "--json"]) == 2
+    assert llmc(["bench", "preset:tiny-llama", "--batch", "0", "--json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("llmc: error:") and "--batch" in err[0]
-    assert bench_cli.main(["preset:tiny-llama", "--prompt-len", "500", "--gen-len", "100"]) == 2
+    assert llmc(["bench", "preset:tiny-llama", "--prompt-len", "500", "--gen-len", "100"]) == 2
     assert "exceeds" in capsys.readouterr().err
 
 
