@@ -110,7 +110,7 @@ def _lambda_node(gm: torch.fx.GraphModule, before: torch.fx.Node) -> torch.fx.No
 
 class Bitlinear(Pass):
     name = "bitlinear"
-    before = ("fuse",)
+    before = ("fuse", "quant")  # it converts plain linears
     summary = "BitNet b1.58: ternary weights, int8 activations, RMSNorm fused into the BitLinear op"
     exact = False
     config_cls = BitlinearConfig

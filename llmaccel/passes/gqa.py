@@ -132,7 +132,7 @@ def _cmul_rows(w: torch.Tensor, c: torch.Tensor, hd: int) -> torch.Tensor:
 
 class GQA(Pass):
     name = "gqa"
-    before = ("quant", "bitlinear")
+    before = ("quant", "bitlinear", "kvquant", "sla")  # it reads plain linears and attention ops
     summary = "merge KV heads (mean-pool, similarity clusters or PCA fit), KV cache bytes cut"
     exact = False
     config_cls = GQAConfig

@@ -204,6 +204,7 @@ def _down_of(act: torch.fx.Node) -> torch.fx.Node:
 
 class Relu(Pass):
     name = "relu"
+    before = ("quant", "bitlinear")  # it reads the down projection as a plain linear
     summary = "ReLUfication of the gated MLP (relu or dReLU), sparsity measured, sparse down-projection"
     exact = False
     config_cls = ReluConfig

@@ -48,3 +48,23 @@ def test_pass_order_and_repeats_refused_before_any_work():
     with pytest.raises(LlmaccelError, match="listed twice"):
         compile("preset:tiny-llama", "quant,quant", progress=False, eval_tokens=0)
     assert time.perf_counter() - t < 5  # refused before loading or calibrating anything
+
+
+FAST = {"quant": {"method": "rtn"}, "sla": {"init": "zeros"}}
+ORDERED = [(p, q) for p in registry() for q in get_pass(p).before]
+
+
+def test_every_order_a_pass_needs_is_declared():
+    """Each pair a pass reads the graph of before the other rewrites it (found by compiling
+    every pair both ways): refused up front in the wrong order, not half-way through."""
+    assert set(ORDERED) >= {("repbn", "fuse"), ("relu", "quant"), ("relu", "bitlinear"),
+                            ("bitlinear", "fuse"), ("bitlinear", "quant"), ("gqa", "quant"),
+                            ("gqa", "bitlinear"), ("gqa", "kvquant"), ("gqa", "sla")}
+
+
+@pytest.mark.parametrize("first,then", ORDERED)
+def test_a_declared_order_compiles_and_its_reverse_is_refused(first, then):
+    opts = {k: v for k, v in FAST.items() if k in (first, then)}
+    compile("preset:tiny-llama", [first, then], opts, progress=False, eval_tokens=0)
+    with pytest.raises(LlmaccelError, match=f"{first} must run before {then}"):
+        compile("preset:tiny-llama", [then, first], opts, progress=False, eval_tokens=0)
