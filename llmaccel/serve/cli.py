@@ -16,7 +16,7 @@ UVICORN_GRACE_S = 5.0
 
 def _check(a) -> None:
     for name, lo in (("port", 0), ("max_waiting", 0), ("max_num_seqs", 1), ("shutdown_timeout", 0),
-                     ("warmup_context", 0)):
+                     ("warmup_context", 0), ("tp", 1)):
         if getattr(a, name) < lo:
             raise LlmaccelError(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(a, name)}")
     if a.port > 65535:
@@ -77,7 +77,8 @@ def cmd_serve(a) -> None:
     sock = _bind(a.host, a.port)  # a port in use fails before the model loads
     engine = EngineProcess(source=a.src, max_num_seqs=a.max_num_seqs, kv_cache_tokens=a.kv_cache_tokens,
                            speculative=a.speculative, enable_prefix_caching=not a.no_prefix_caching,
-                           device=a.device, dtype=a.dtype, warmup=a.warmup_context, **opts)
+                           device=a.device, dtype=a.dtype, warmup=a.warmup_context,
+                           tensor_parallel_size=a.tp, **opts)
     warm = engine.facts.get("warmup")
     if warm and warm["shapes"]:
         print(f"llmc serve: {warm['shapes']} step shapes warmed up (compiled, captured) in {warm['seconds']:.1f} s",
@@ -101,6 +102,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                                                    "(default: $LLMACCEL_API_KEY, else none)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences the engine runs at once")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (one GPU each)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: LLM's)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size (default: memory budget)")
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -175,6 +175,7 @@ def _child(cmd_conn, out_conn, llm_kwargs: dict, warmup: int) -> None:
     t.start()
     t.join()
     err = result[0] if result else RuntimeError("the engine thread ended without a result")
+    llm.close()  # a tensor-parallel engine's workers
     out.close(("died", repr(err)) if err is not None else ("stopped", None))
     unfreeze_for_exit()
 
@@ -189,8 +190,10 @@ class EngineProcess(Frontend):
         ctx = mp.get_context("spawn")  # CUDA cannot live in a forked child
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
+        # a daemon may not start processes: a tensor-parallel engine's does (its workers),
+        # and shutdown() stops it as it stops a daemon
         self._proc = ctx.Process(target=_child, args=(cmd_r, out_w, llm_kwargs, warmup), name="llmaccel-engine",
-                                 daemon=True)
+                                 daemon=llm_kwargs.get("tensor_parallel_size", 1) == 1)
         self._proc.start()
         cmd_r.close()
         out_w.close()

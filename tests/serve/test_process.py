@@ -136,3 +136,23 @@ def test_a_burst_submitted_at_once_is_accepted_and_completed_exactly_once():
         assert eng.snapshot["kv_blocks_used"] == 0 and eng.snapshot["waiting"] == 0
     finally:
         eng.shutdown()
+
+
+def test_a_tensor_parallel_engine_serves_the_tokens_of_one_process():
+    """`llmc serve --tp 2`: the engine process (not a daemon: it starts its workers) gives the
+    single-process engine's greedy tokens, and shutdown ends it and its workers."""
+    from llmaccel import LLM
+
+    prompt, p = [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True)
+    want = LLM("preset:tiny-llama", device="cpu", kv_cache_tokens=4096).generate([prompt], p)[0].token_ids
+    eng = EngineProcess(**TINY, tensor_parallel_size=2)
+    eng.start()
+    try:
+        async def run():
+            return await _events(eng, Job([prompt], [p]),
+                                 lambda ev: any(isinstance(e, Delta) and e.finish_reason for e in ev))
+        ev = asyncio.run(run())
+        assert [t for d in ev[1:] for t in d.token_ids] == want
+    finally:
+        eng.shutdown()
+    assert not eng.alive
