@@ -28,6 +28,7 @@ from llmaccel.ops.rope import rope_inv_freq, rope_table
 from llmaccel.ops.table import OPS, spec_of
 from llmaccel.codegen.kernel_ops import accepts, custom_op, load_kernel_modules, retarget
 from llmaccel.codegen.gemv_rewrites import gemv_rewrites, int4_gemv_weights
+from llmaccel.kernels.int_codes import lm_head_cpu, prepare_head_cpu
 
 def ir_op_name(node: torch.fx.Node) -> str | None:
     spec = spec_of(node.target) if node.op == "call_function" else None
@@ -247,6 +248,9 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
                                                    (node.args[0], (slice(None), slice(-1, None))))
                 node.args = (last, *node.args[1:])
     tables: dict[tuple, tuple[str, str]] = {}
+    # a weight-quantized graph runs its CPU linears' x in bf16 (int_codes.cpu_act_dtype): its LM
+    # head too, a third of a W4 decode step in fp32
+    quantized = any(ir_op_name(n) in ("linear_int4", "linear_int8") for n in new.graph.nodes)
     for node in list(new.graph.nodes):
         name = ir_op_name(node)
         if name is None:
@@ -286,6 +290,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         # (the CPU forms stand for the project's own custom ops: another namespace gets its ops)
         form = cpu_forms().get(name) if device.type == "cpu" and namespace == "llmaccel" and not (
             linear == "gemv" and int4_gemv_weights(node)) else None
+        if name == "lm_head" and device.type == "cpu" and quantized:
+            form = (prepare_head_cpu, lm_head_cpu, 1)
         if form is not None and _to_cpu_form(new, node, form, rep, prepared):
             rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
             continue

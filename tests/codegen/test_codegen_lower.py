@@ -63,3 +63,29 @@ def test_select_limits_lowering_and_traces_whole():
     out = torch.compile(lambda i: low(i, pos, None), backend="aot_eager", fullgraph=True)(ids)
     torch.testing.assert_close(out, ref)
     assert lower(m.gm, max_len=32, select="none", namespace=NS)[1].custom == {}
+
+
+def test_a_weight_quantized_graph_runs_its_cpu_lm_head_in_bf16_and_a_plain_one_in_fp32():
+    """On the CPU the linears of a W4/W8 graph take x in bf16 (int_codes.cpu_act_dtype), and so
+    does its LM head (lm_head_cpu, its weight converted once); the logits stay within bf16
+    rounding of the unlowered graph's. An unquantized fp32 graph keeps the reference's head."""
+    from llmaccel.ir import weight_of
+    from llmaccel.kernels.int_codes import lm_head_cpu
+
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(5))
+    for bits in ("4", "8"):
+        m = compile("preset:tiny-llama", ["quant"], {"quant": {"method": "rtn", "bits": bits, "group_size": "32"}},
+                    eval_tokens=0, progress=False)
+        low, rep = lower(m.gm, max_len=64, select="eager")
+        heads = [n for n in low.graph.nodes if n.target is lm_head_cpu]
+        assert len(heads) == 1 and not any(n.target is ops.lm_head for n in low.graph.nodes)
+        assert weight_of(low, heads[0].args[1]).dtype == torch.bfloat16
+        want = executor.forward(m.gm, ids)
+        got = executor.forward(low, ids)
+        assert got.dtype == torch.float32
+        # the linears' bf16 x and the head's bf16 weight, x and logits: a few bf16 roundings
+        assert (got - want).abs().max() <= 2 ** -5 * want.abs().max(), bits
+    plain = load("preset:tiny-llama")
+    low, _ = lower(plain.gm, max_len=64, select="eager")
+    assert not any(n.target is lm_head_cpu for n in low.graph.nodes)
+    torch.testing.assert_close(executor.forward(low, ids), executor.forward(plain.gm, ids))
