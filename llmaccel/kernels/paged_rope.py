@@ -77,15 +77,24 @@ def paged_rope_decode_cpu(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
     if B > CPU_ROWS:
         return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
-    q, k = rope_rows(q, cos, sin, pos), rope_rows(k, cos, sin, pos)
+    # q and k rotated together: one lookup of the tables' rows
+    nq = q.shape[1]
+    qk = rope_rows(torch.cat((q, k), 1), cos, sin, pos)
+    q, k = qk[:, :nq], qk[:, nq:]
     BS, Hkv, D = k_cache.shape[1:]
     write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS))
     H = q.shape[1]
     out = q.new_empty(q.shape)
     for b, length in enumerate((pos + 1).tolist()):
-        blk = block_tables[b, :-(-length // BS)].long()
-        kb = k_cache[blk].view(-1, Hkv, D)[:length].transpose(0, 1).to(q.dtype)   # (Hkv, L, D)
-        vb = v_cache[blk].view(-1, Hkv, D)[:length].transpose(0, 1).to(q.dtype)
+        n = -(-length // BS)
+        ids = block_tables[b, :n].tolist()
+        if ids == list(range(ids[0], ids[0] + n)):  # blocks in order (a lone request's): a view
+            kb, vb = k_cache[ids[0]: ids[0] + n], v_cache[ids[0]: ids[0] + n]
+        else:
+            blk = block_tables[b, :n].long()
+            kb, vb = k_cache[blk], v_cache[blk]
+        kb = kb.reshape(-1, Hkv, D)[:length].transpose(0, 1).to(q.dtype)   # (Hkv, L, D)
+        vb = vb.reshape(-1, Hkv, D)[:length].transpose(0, 1).to(q.dtype)
         o = F.scaled_dot_product_attention(q[b].view(Hkv, H // Hkv, D), kb, vb, scale=scale)
         out[b] = o.reshape(H, D)
     return out
