@@ -249,7 +249,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
                 node.args = (last, *node.args[1:])
     tables: dict[tuple, tuple[str, str]] = {}
     # a weight-quantized graph runs its CPU linears' x in bf16 (int_codes.cpu_act_dtype): its LM
-    # head too, a third of a W4 decode step in fp32
+    # head too, a third of a W4 decode step in fp32 (not in the fused GEMVs' lowering: that is
+    # CUDA's decode path, which the CPU only checks against the references)
     quantized = any(ir_op_name(n) in ("linear_int4", "linear_int8") for n in new.graph.nodes)
     for node in list(new.graph.nodes):
         name = ir_op_name(node)
@@ -290,7 +291,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         # (the CPU forms stand for the project's own custom ops: another namespace gets its ops)
         form = cpu_forms().get(name) if device.type == "cpu" and namespace == "llmaccel" and not (
             linear == "gemv" and int4_gemv_weights(node)) else None
-        if name == "lm_head" and device.type == "cpu" and quantized:
+        if name == "lm_head" and device.type == "cpu" and quantized and linear != "gemv":
             form = (prepare_head_cpu, lm_head_cpu, 1)
         if form is not None and _to_cpu_form(new, node, form, rep, prepared):
             rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1

@@ -333,7 +333,6 @@ def _ops(gm) -> tuple[int, int]:
 
 class RepBN(Pass):
     name = "repbn"
-    before = ("fuse",)  # it replaces the norms that fuse folds into add_rms_norm
     summary = "RMSNorm/LayerNorm -> text-calibrated BatchNorm folded into the linears (SLAB PRepBN)"
     exact = False
     config_cls = RepBNConfig

@@ -58,6 +58,9 @@ class LLM:
                 rank = tp_ranks.dist.get_rank()
             device = tp_ranks.rank_device(device, rank)
         if isinstance(source, Model):
+            if world > 1 and torch.device(source.device).type != torch.device(device).type:
+                raise LlmaccelError(f"tensor_parallel_size={world} runs on {device}, but the model is on "
+                                    f"{source.device}: load or compile it there, or pass its source")
             self.model = source
         else:
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")

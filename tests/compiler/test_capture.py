@@ -90,8 +90,10 @@ def test_verify_checks_the_lowered_graph_too():
     assert low["custom"].get("linear_int4", 0) + low["cpu_traced"].get("linear_int4", 0) > 0
     # the CPU int4 form runs x in bf16 (kernels/int_codes.cpu_act_dtype): a few bf16 roundings
     assert low["rope"] > 0 and low["max_abs_over_max"] < 2e-2
-    # the linear forms of the decode steps: rows on a compiled CPU step, fused GEMVs on CUDA
-    assert low["rows"]["linears"] > 0 and low["rows"]["max_abs_over_max"] < 2e-2
+    # the linear forms of the decode steps: rows on a compiled CPU step (on the CPU every linear of
+    # this W4 graph is int4 and its LM head takes the bf16 CPU form), fused GEMVs on CUDA
+    assert (low["rows"]["linears"] > 0 or low["cpu_traced"].get("lm_head", 0) > 0)
+    assert low["rows"]["max_abs_over_max"] < 2e-2
     g = low["gemv"]
     assert g["int4"] > 0 and g["glu"] > 0 and g["residual"] > 0 and g["norm"] > 0
     assert g["max_abs"] < 1e-4

@@ -220,3 +220,29 @@ def test_bench_measures_the_tensor_parallel_engine():
 
     res = bench("preset:tiny-llama", batch=2, prompt_len=8, gen_len=8, warmup=0, measure_bw=False, tp=2)
     assert res["tensor_parallel_size"] == 2 and res["decode_tok_s"] > 0 and "roofline_frac" not in res
+
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.cuda
+@needs_two_gpus
+def test_nccl_ranks_give_the_one_gpu_tokens_within_bf16_rounding(wide):
+    """The same engine over NCCL, rank r on cuda:r, bf16: each rank's row-parallel partial sums
+    are rounded to bf16 before the all_reduce, so tokens agree until a near-tie (the first 8)
+    and agreed tokens' logprobs within 0.2 nats; CUDA graphs capture the collectives."""
+    from llmaccel import LLM
+
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    for passes in ((), ("fuse", "quant")):
+        opts = {"quant": {"method": "rtn", "group_size": "32"}} if "quant" in passes else {}
+        m = compile(wide, list(passes), opts, eval_tokens=0, progress=False, device="cuda", dtype="bfloat16")
+        want = LLM(m).generate(PROMPTS, p)
+        with LLM(m, tensor_parallel_size=2) as llm:
+            got = llm.generate(PROMPTS, p)
+            assert llm.metrics()["graphs_captured"] > 0
+        for w, g in zip(want, got):
+            same = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b), len(w.token_ids))
+            assert same >= 8, (passes, w.token_ids, g.token_ids)
+            for a, b in zip(w.logprobs[:same], g.logprobs[:same]):
+                assert abs(a["logprob"] - b["logprob"]) < 0.2
