@@ -1,7 +1,7 @@
 """Launch configurations for the linear_int4 / linear_int8 Triton kernels (quant_linear.py).
 
-`TUNED` holds the best correct tiling measured per (op, N, K, group size, batch bucket) by
-`scripts/gpu_quant_bench.py` on the H200; other shapes get a heuristic chosen from the sm_90 SASS
+`TUNED` holds the best correct tiling measured per device name and (op, N, K, group size, batch bucket) by
+`scripts/gpu_quant_bench.py` (H200; H100 at the fused shapes); other shapes get a heuristic chosen from the sm_90 SASS
 of each variant (instructions per weight byte, registers, no spills) and the grid size. Pure
 Python: no triton import, so the configs can be inspected and tested anywhere.
 """
@@ -49,6 +49,29 @@ H200[('int8', 2048, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 
 H200[('int4', 512, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 4, 'num_warps': 4, 'num_stages': 3}
 H200[('int8', 512, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}
 
+H100 = TUNED.setdefault("NVIDIA H100 80GB HBM3", {})
+# NVIDIA H100 80GB HBM3, scripts/gpu_quant_bench.py --batches 16 --ops int4 --budget 120 (the
+# fused shapes the engine runs; batch 4 likewise: docs/results/h100-2026-12-07-quant-bench-b{4,16}.json)
+H100[('int4', 16384, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 16384, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 3072, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_G': 2, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H100[('int8', 3072, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 2048, 8192, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 2048, 8192, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 128256, 2048, 128, 16)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 128256, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 2048, 2048, 128, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_G': 4, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H100[('int8', 2048, 2048, 0, 16)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 16384, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 16384, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 3072, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 3072, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 2048, 8192, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 2048, 8192, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 128256, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 128256, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 2048, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 2048, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
