@@ -123,18 +123,15 @@ def cmd_generate(a) -> None:
     check_draft(a.speculative)
     if a.tp < 1:
         raise LlmaccelError(f"--tp must be >= 1, got {a.tp}")
-    if a.tp > 1:  # the ranks load the source themselves (tp_ranks.py)
-        llm = LLM(a.src, dtype=a.dtype, device=a.device, speculative=a.speculative,
-                  num_speculative_tokens=a.num_speculative_tokens, tensor_parallel_size=a.tp)
-        model = llm.model
-    else:
-        model = _load(a.src, a)
-        # An exported folder generates through onnxruntime; anything else through the engine.
-        onnx = model.gm is None
-        if onnx and (a.speculative or a.stats):
-            raise LlmaccelError("an exported ONNX folder generates without --speculative and --stats")
-        llm = model if onnx else LLM(model, speculative=a.speculative,
-                                     num_speculative_tokens=a.num_speculative_tokens)
+    # the ranks of --tp N load the source themselves (tp_ranks.py)
+    model = _load(a.src, a) if a.tp == 1 else None
+    # An exported folder generates through onnxruntime; anything else through the engine.
+    onnx = model is not None and model.gm is None
+    if onnx and (a.speculative or a.stats):
+        raise LlmaccelError("an exported ONNX folder generates without --speculative and --stats")
+    llm = model if onnx else LLM(model or a.src, dtype=a.dtype, device=a.device, speculative=a.speculative,
+                                 num_speculative_tokens=a.num_speculative_tokens, tensor_parallel_size=a.tp)
+    model = model or llm.model
     prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
     t0, first = time.perf_counter(), None
     for piece in llm.stream(prompt, params):

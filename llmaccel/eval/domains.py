@@ -3,7 +3,7 @@ second half and on texts of other domains (llmaccel/data/*/README.md give their 
 licences).
 
 No pass calibrates or trains on an evaluation part: the default calibration (`--calib mixed`,
-mixed_tokens) reads the other parts, wikitext2's first half and the second halves of the code
+text.mixed_tokens) reads the other parts, wikitext2's first half and the second halves of the code
 and documentation texts. Models are plain forward callables `logits = f(ids)` (ids (B, T)), so a pass can
 score graphs it holds (`graph_forward`) without a compiled model around them.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.errors import LlmaccelError
-from llmaccel.eval.text import CALIB_SPLITS, DATA_DIR, DOMAINS, mixed_tokens, read_split, text_encoder
+from llmaccel.eval.text import DATA_DIR, DOMAINS, read_split, text_encoder
 from llmaccel.ir import positions
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -101,4 +101,4 @@ def compare(source: Forward, models: dict[str, Forward], tokens: dict[str, torch
     return out
 
 
-__all__ = ["DOMAINS", "CALIB_SPLITS", "mixed_tokens", "ppl_of", "DATA_DIR", "text_encoder", "domain_tokens", "window_batches", "graph_forward", "compare"]
+__all__ = ["DOMAINS", "ppl_of", "DATA_DIR", "text_encoder", "domain_tokens", "window_batches", "graph_forward", "compare"]

@@ -218,7 +218,7 @@ def load_tokens(model, text: str, split: str, max_tokens: int | None, *, ctx: in
                 seed: int = 0, progress: bool = False, purpose: str = "") -> torch.Tensor:
     """Token ids for `text` = a file path, 'self' (samples from `model`, with a progress bar on
     stderr when `progress`, after a line naming `purpose`: sampled_tokens) or 'mixed' (windows of
-    `ctx` from the bundled texts' calibration parts: domains.mixed_tokens)."""
+    `ctx` from the bundled texts' calibration parts: mixed_tokens)."""
     if max_tokens is not None and max_tokens < 2:
         raise LlmaccelError(f"max_tokens must be at least 2 (one token and its successor), got {max_tokens}")
     if text == "self":

@@ -24,7 +24,7 @@ import torch.fx
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.attention import attend_heads, causal_attention, merge_heads, split_heads
-from llmaccel.ops.context import StepContext
+from llmaccel.ops.context import HINT, StepContext
 
 BITS = (2, 4)
 
@@ -154,8 +154,7 @@ def kv_quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, *
         return causal_attention(q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                 head_dim=head_dim, scale=scale)
     if ctx.kv_quant_spec(layer) != kv_quant:
-        raise LlmaccelError(f"attention layer {layer} expects a KV cache quantized as {kv_quant}; "
-                            f"build the context with llmaccel.compiler.executor.make_cache")
+        raise LlmaccelError(f"attention layer {layer} expects a KV cache quantized as {kv_quant}; {HINT}")
     return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads,
                       head_dim=head_dim, scale=scale)
 

@@ -44,6 +44,12 @@ class LLM:
         bad = next((k for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1), None)
         if bad is not None:
             raise LlmaccelError(f"{bad} must be a positive integer, got {counts[bad]!r}")
+        engine_kw = dict(block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
+                         num_speculative_tokens=num_speculative_tokens,
+                         enable_prefix_caching=enable_prefix_caching, draft_layers=draft_layers,
+                         gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+                         compile=compile)
         self.ranks = None  # rank 0's workers (tp_ranks.RankGroup)
         world, rank = tensor_parallel_size, 0
         if world > 1:
@@ -71,33 +77,16 @@ class LLM:
             if world > 1:
                 tp_ranks.check_world(self.model.config, world, str(self.model.device))
                 if not tp_ranks.dist.is_initialized():  # spawn the other ranks; this one is rank 0
-                    self.ranks = tp_ranks.RankGroup(type(self), source, world, dict(
-                        block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
-                        enable_prefix_caching=enable_prefix_caching,
-                        gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
-                        compile=compile))
+                    self.ranks = tp_ranks.RankGroup(type(self), source, world,
+                                                    dict(engine_kw, dtype=dtype, device=device))
                 self.model = tp_ranks.shard_model(self.model, rank, world)
-            self._start(block_size, kv_cache_tokens, max_num_seqs, max_num_batched_tokens, speculative,
-                        num_speculative_tokens, enable_prefix_caching, draft_layers, gpu_memory_utilization,
-                        cuda_graphs, compile)
+            self.device, self.dtype, self.cfg = self.model.device, self.model.dtype, self.model.config
+            self.core = EngineCore(self.model, **engine_kw)
             if self.ranks is not None:
                 self.ranks.check_ready()
         except BaseException:
             self.close()
             raise
-
-    def _start(self, block_size, kv_cache_tokens, max_num_seqs, max_num_batched_tokens, speculative,
-               num_speculative_tokens, enable_prefix_caching, draft_layers, gpu_memory_utilization,
-               cuda_graphs, compile) -> None:
-        self.device, self.dtype = self.model.device, self.model.dtype
-        self.cfg = self.model.config
-        self.core = EngineCore(
-            self.model, block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
-            num_speculative_tokens=num_speculative_tokens, enable_prefix_caching=enable_prefix_caching,
-            draft_layers=draft_layers, gpu_memory_utilization=gpu_memory_utilization,
-            cuda_graphs=cuda_graphs, compile=compile)
 
     # ------------------------------------------------------------------ requests
     def _encode(self, prompt) -> tuple[list[int], str | None]:

@@ -126,6 +126,11 @@ class RankGroup:
     def _expect(self, conn, what: str) -> None:
         if not conn.poll(TIMEOUT.total_seconds()):
             raise LlmaccelError(f"a tensor-parallel rank did not answer within {TIMEOUT.seconds} s")
+        self._check(conn, what)
+
+    @staticmethod
+    def _check(conn, what: str | None) -> None:
+        """Read a worker's message: one other than `what` is its failure (traceback), raised."""
         kind, detail = conn.recv()
         if kind != what:
             raise LlmaccelError(f"a tensor-parallel rank failed: {detail.strip().splitlines()[-1]}")
@@ -143,8 +148,7 @@ class RankGroup:
         msg, self.pending = self.pending + [cmd], []
         for c in self.conns:
             if c.poll():  # a worker that failed says so before its collective times out
-                _, detail = c.recv()
-                raise LlmaccelError(f"a tensor-parallel rank failed: {detail.strip().splitlines()[-1]}")
+                self._check(c, None)
             c.send(msg)
 
     def close(self) -> None:

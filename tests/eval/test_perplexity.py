@@ -125,7 +125,7 @@ def test_domain_texts_ship_inside_the_package():
 
 
 def test_mixed_calibration_takes_each_domain_in_turn_and_never_its_evaluation_part():
-    from llmaccel.eval.domains import CALIB_SPLITS, DATA_DIR, DOMAINS, mixed_tokens
+    from llmaccel.eval.text import CALIB_SPLITS, DATA_DIR, DOMAINS, mixed_tokens
 
     m = load("preset:tiny-llama")
     enc = lambda text: list(text.encode("utf-8"))  # noqa: E731 - a preset reads bytes
