@@ -1,7 +1,7 @@
 """GPU benchmark: int4 / int8 weight-only linear kernels against bf16 F.linear at decode batches.
 
 Llama-3.2-1B matrices (K in x N out) as the engine runs them after `fuse`: 2048x16384 (gate_up),
-2048x3072 (qkv), 8192x2048 (down), 2048x2048 (o), 2048x128256 (LM head); batches 1, 4, 16. Each case first checks the default
+2048x3072 (qkv), 8192x2048 (down), 2048x2048 (o), 2048x128256 (LM head); batches 1, 4, 16, 64. Each case first checks the default
 kernels against the reference (dequantize, then matmul in fp32), then times, per call:
 bf16 F.linear, int4 and int8 with the default tiles, and (sweep) every candidate tiling, keeping
 the best. Timing: one CUDA graph of many calls (launch overhead excluded, as in a captured decode
@@ -86,10 +86,12 @@ def int4_candidates(M: int, N: int, K: int = 2048, gs: int = 128) -> list:
     # bf16-only tensor-core kernel with PTX dequantization (fewest instructions per byte in
     # sm_90 SASS: ~7 at BLOCK_N=128, 4 warps); few rows per program need split-K for small N.
     # PREFETCH lost everywhere in run 1: last.
-    asm = [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split, num_warps=nw,
-                num_stages=3, PREFETCH=pf)
-           for pf in (False, True) for bn, nw in ((128, 4), (64, 2), (256, 8), (128, 8), (64, 4))
-           for split in (1, 2, 4, 8) if split == 1 or N // bn < 264]
+    # 17-64 rows: one tile of all rows (each code dequantized once), or of 32 / 16 rows
+    bms = (16,) if M <= 16 else (min(64, 1 << (M - 1).bit_length()), 32, 16)
+    asm = [dict(kernel="dotasm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
+                num_warps=max(nw, bm // 16), num_stages=3, PREFETCH=pf)
+           for pf in (False, True) for bm in bms for bn, nw in ((128, 4), (64, 2), (256, 8), (128, 8), (64, 4))
+           for split in (1, 2, 4, 8) if split == 1 or (N // bn) * -(-M // bm) < 264]
     asm = [dict(c, XPERM=True) for c in asm if not c["PREFETCH"]] + \
         [c for c in asm if not c["PREFETCH"]] + [c for c in asm if c["PREFETCH"]]
     out = []
@@ -109,12 +111,13 @@ def int4_candidates(M: int, N: int, K: int = 2048, gs: int = 128) -> list:
         return first + [c for c in asm + out if c not in first]
     if M > 1:
         dots = []
-        for bn in (16, 32, 64):
-            for bg in (2, 1, 4):
-                for split in (1, 2, 4):
-                    if split == 1 or N <= 4096:
-                        dots.append(dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=bg,
-                                         SPLIT_K=split, num_warps=4, num_stages=3))
+        for bm in bms[:2]:
+            for bn in (16, 32, 64):
+                for bg in (2, 1, 4):
+                    for split in (1, 2, 4):
+                        if split == 1 or N <= 4096:
+                            dots.append(dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=bg,
+                                             SPLIT_K=split, num_warps=4, num_stages=3))
         out = dots + out
     return asm + out
 
@@ -131,8 +134,9 @@ def int8_candidates(M: int, N: int) -> list:
                             out.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_W=bw, UNPACK=unpack,
                                             SPLIT_K=1, num_warps=nw))
     if M > 1:
-        out = [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-               for bn in (16, 32, 64) for bk in (128, 64, 256)] + out
+        bms = (16,) if M <= 16 else (min(64, 1 << (M - 1).bit_length()), 32, 16)
+        out = [dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
+               for bm in bms for bn in (16, 32, 64) for bk in (128, 64, 256)] + out
     return out
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 from llmaccel.kernels import cdiv
 
 GEMV_MAX_M = 16
+# Rows up to which a call is a decode batch: TUNED's buckets (1, 4, 16, 64) cover them, and the
+# tiles keep enough programs for every SM; above it a prefill's tiles (many rows each) apply.
+DECODE_MAX_M = 64
 
 # Measured best tiles per device name, then (op, N, K, group_size (0 for int8), batch bucket
-# 1/4/16); lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...][...] = ...") are
+# 1/4/16/64); lines printed by `scripts/gpu_quant_bench.py --sweep` ("TUNED[...][...] = ...") are
 # pasted here. Another GPU gets the heuristics until it is swept.
 TUNED: dict[str, dict] = {}
 H200 = TUNED.setdefault("NVIDIA H200", {})
@@ -78,7 +81,7 @@ def _pow2(n: int) -> int:
 
 
 def batch_bucket(M: int) -> int:
-    return 1 if M <= 1 else 4 if M <= 4 else 16
+    return 1 if M <= 1 else 4 if M <= 4 else 16 if M <= 16 else 64
 
 
 def _rows_for(row_words: int, N: int, n_sm: int, target_words: int = 2048) -> int:
@@ -106,23 +109,30 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = 
     no spills); TUNED[device] holds what a sweep on that device measured. `asm`: bf16 on CUDA, where the
     PTX-dequantizing tensor-core kernel (about 7-9 instructions per weight byte against 11 for
     the fp32 GEMV) may be used."""
-    # the sweeps measured decode batches (1-16 rows): their tiles do not describe a prefill
-    hit = TUNED.get(device, {}).get(("int4", N, K, group_size, batch_bucket(M))) if M <= GEMV_MAX_M else None
+    # the sweeps measured decode batches (1-64 rows): their tiles do not describe a prefill
+    hit = TUNED.get(device, {}).get(("int4", N, K, group_size, batch_bucket(M))) if M <= DECODE_MAX_M else None
     if hit is not None and (asm or hit["kernel"] != "dotasm"):
         return dict(hit)
     G = cdiv(K, group_size)
-    if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
+    if asm and M <= DECODE_MAX_M and (M > 1 or N >= 32768):
+        # one tile of up to 64 rows dequantizes each code once for all of them; split-K keeps
+        # every SM reading when the row tiles alone are fewer than the SMs
+        bm = 16 if M <= 16 else min(64, _pow2(M))
         bn, warps = (64, 2) if N <= 4096 else (128, 4)
-        split = _split_for(cdiv(N, bn), G, n_sm)
-        return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
+        warps = max(warps, bm // 16)
+        split = _split_for(cdiv(N, bn) * cdiv(M, bm), G, n_sm)
+        return dict(kernel="dotasm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
                     num_warps=warps, num_stages=3)
     if M > GEMV_MAX_M:
         # prefill: tensor-core tiles of 128 rows (each weight tile dequantized once per 128 rows),
         # 8 warps; the best of 14 tilings on the H200 at 128 and 1,024 rows of llama-1b's shapes
-        # (docs/results/h200-2026-12-03-int4-prefill.json)
+        # (docs/results/h200-2026-12-03-int4-prefill.json). A decode batch of 17-64 rows has too
+        # few tiles for the SMs (llama-1b's o: 32): split-K fills them.
         bm = 32 if M <= 32 else 64 if M <= 64 else 128
-        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=128 if N >= 8192 else 64,
-                    BLOCK_G=max(1, 64 // group_size), num_warps=8 if bm == 128 else 4, num_stages=3)
+        bn, bg = 128 if N >= 8192 else 64, max(1, 64 // group_size)
+        split = _split_for(cdiv(N, bn) * cdiv(M, bm), cdiv(G, bg), n_sm) if M <= DECODE_MAX_M else 1
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=bg, SPLIT_K=split,
+                    num_warps=8 if bm == 128 else 4, num_stages=3)
     if M > 1:
         # The GEMV's per-row reductions cost more than the weight bytes from 2 rows on; tl.dot
         # with M padded to 16 dequantizes each code once whatever M is.
@@ -142,12 +152,14 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = 
 
 
 def int8_config(M: int, N: int, K: int, n_sm: int, device: str | None = None) -> dict:
-    hit = TUNED.get(device, {}).get(("int8", N, K, 0, batch_bucket(M))) if M <= GEMV_MAX_M else None
+    hit = TUNED.get(device, {}).get(("int8", N, K, 0, batch_bucket(M))) if M <= DECODE_MAX_M else None
     if hit is not None:
         return dict(hit)
     if M > 2 or K % 4:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         bn = 64 if M > GEMV_MAX_M else 16 if N <= 4096 else 32
+        while bn > 16 and cdiv(N, bn) * cdiv(M, bm) < n_sm:  # decode batches: a tile per SM at least
+            bn //= 2
         return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if M <= GEMV_MAX_M else 64,
                     num_warps=4, num_stages=3)
     kw = K // 4

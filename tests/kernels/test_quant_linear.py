@@ -112,7 +112,7 @@ def test_int4_dot_interpreter(ql, M, K, gs, split, dtype):
     check_int4(ql, M, 37, K, gs, dtype, cfg)
 
 
-@pytest.mark.parametrize("M", [1, 4, 33])
+@pytest.mark.parametrize("M", [1, 4, 33, 64])
 def test_int4_default_config_interpreter(ql, M):
     x = torch.randn(2, (M + 1) // 2, 128)                    # leading dims are flattened
     qw, sc, zr = int4_weights(20, 128, 64)
@@ -122,17 +122,31 @@ def test_int4_default_config_interpreter(ql, M):
 
 
 def test_prefill_rows_take_prefill_tiles_not_the_decode_sweeps():
-    # the H200 table holds decode batches (1-16 rows); 128 prompt rows through its 16-row
-    # tiles took an int4 llama-1b prefill's TTFT to ~4 ms against ~3.1 with 128-row tiles
+    # the tables hold decode batches (1-64 rows); 128 prompt rows through 16-row tiles took an
+    # int4 llama-1b prefill's TTFT to ~4 ms against ~3.1 with 128-row tiles
     for K, N in GPU_SHAPES:
-        for M in (17, 128, 1024):
+        for M in (65, 128, 1024):
             c4 = ql_mod.int4_config(M, N, K, 128, 132, asm=True, device="NVIDIA H200")
             c8 = ql_mod.int8_config(M, N, K, 132, "NVIDIA H200")
             assert c4 == ql_mod.int4_config(M, N, K, 128, 132, asm=True) and c4["kernel"] == "dot"
             assert c8 == ql_mod.int8_config(M, N, K, 132) and c8["kernel"] == "dot"
-            assert c4["BLOCK_M"] == (32 if M <= 32 else 128)
+            assert c4["BLOCK_M"] == 128 and c4["SPLIT_K"] == 1
         assert ql_mod.int4_config(16, N, K, 128, 132, asm=True, device="NVIDIA H200") == \
             ql_mod.TUNED["NVIDIA H200"][("int4", N, K, 128, 16)]
+
+
+def test_decode_batches_of_17_to_64_rows_fill_the_sms():
+    # llama-1b's o at 64 rows in 64-row x 64-column tiles is 32 programs on 132 SMs: split-K
+    # (or narrower int8 tiles) makes at least one program per SM
+    for K, N in GPU_SHAPES:
+        for M in (17, 48, 64):
+            for asm in (True, False):
+                c = ql_mod.int4_config(M, N, K, 128, 132, asm=asm)
+                assert c["kernel"] == ("dotasm" if asm else "dot") and c["BLOCK_M"] >= 32
+                programs = -(-N // c["BLOCK_N"]) * -(-M // c["BLOCK_M"]) * c["SPLIT_K"]
+                assert programs >= 132 or c["SPLIT_K"] * c["BLOCK_G"] >= -(-K // 128) // 2, (M, N, K, c)
+            c8 = ql_mod.int8_config(M, N, K, 132)
+            assert -(-N // c8["BLOCK_N"]) * -(-M // c8["BLOCK_M"]) >= 128 or c8["BLOCK_N"] == 16, (M, N, K, c8)
 
 
 def test_int4_prefill_default_config_interpreter(ql):
@@ -255,9 +269,12 @@ def test_int4_cuda(M, K, N):
                             for s in (1, 4) for xp in (False, True)]
                          + [dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=64, BLOCK_G=1, SPLIT_K=s, num_warps=2,
                                  num_stages=3, XPERM=True, SERIAL=True) for s in (2, 8)]
+                         + [dict(kernel="dotasm", BLOCK_M=bm, BLOCK_N=64, BLOCK_G=1, SPLIT_K=s, num_warps=4,
+                                 num_stages=3, XPERM=True, SERIAL=sr) for bm in (32, 64) for s, sr in
+                            ((1, False), (4, False), (4, True))]
                          + [dict(kernel="gemv", BLOCK_N=8, BLOCK_G=4, UNPACK=u, SPLIT_K=s, num_warps=1,
                                  SERIAL=True) for u in (1, 2) for s in (2, 4)])
-@pytest.mark.parametrize("M,K", [(1, 2048), (3, 2048), (2, 200)])
+@pytest.mark.parametrize("M,K", [(1, 2048), (3, 2048), (2, 200), (40, 2048)])
 def test_int4_variants_cuda(cfg, M, K):
     N = 2048   # K = 200: the last group of 128 zero-padded
     qw, sc, zr = int4_weights(N, K, 128, torch.bfloat16, "cuda")
@@ -268,7 +285,7 @@ def test_int4_variants_cuda(cfg, M, K):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 2, 4, 16, 512])
+@pytest.mark.parametrize("M", [1, 2, 4, 16, 48, 512])
 @pytest.mark.parametrize("K,N", GPU_SHAPES)
 def test_int8_cuda(M, K, N):
     q8, s8 = int8_weights(N, K, torch.bfloat16, "cuda")
