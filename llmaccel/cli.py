@@ -184,7 +184,7 @@ def cmd_show(a) -> None:
 
 
 def cmd_passes(a) -> None:
-    from llmaccel.passes import registry
+    from llmaccel.compiler.registry import registry
     from llmaccel.passes.base import describe_type, option_fields
 
     for name, cls in registry().items():

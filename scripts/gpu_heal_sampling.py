@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from llmaccel.compiler.model import load
-from llmaccel.passes.heal_config import HealConfig
-from llmaccel.passes.heal_data import PROMPT_TOKENS, prompt_ids, resolve_prompts
+from llmaccel.heal.config import HealConfig
+from llmaccel.heal.data import resolve_prompts
+from llmaccel.passes.sampled import PROMPT_TOKENS, prompt_ids
 from llmaccel.runtime.windows import sample_windows
 
 

@@ -31,7 +31,7 @@ import torch
 from llmaccel.compiler.model import load
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import load_tokens
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config, parse_sets
 
 OLD = {"dtype": "float32", "compile": "off", "batch": "4", "seq_len": "512", "kl_chunk": "0"}

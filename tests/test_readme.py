@@ -17,7 +17,7 @@ import pytest
 from llmaccel.bench.suite import parse_args as suite_args
 from llmaccel.cli import build_parser
 from llmaccel.compiler.pipeline import parse_pass_list
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import make_config, parse_sets
 
 ROOT = Path(__file__).resolve().parents[1]

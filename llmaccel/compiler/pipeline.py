@@ -14,7 +14,7 @@ from llmaccel.compiler.model import Model, load
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.text import SPLITS, load_tokens
 from llmaccel.ir import op_counts
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 
 _OTHER_HALF = {"first-half": "second-half", "second-half": "first-half"}
@@ -101,7 +101,7 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
         for p in instances:
             p.start(ctx)
         for i, (name, p) in enumerate(zip(names, instances)):
-            ctx.later = tuple(names[i + 1:])
+            ctx.trained = any(get_pass(n).trains for n in names[i + 1:])
             reporter.log(f"pass {name} ...")
             t0 = time.perf_counter()
             res = p.run(model.gm, ctx)

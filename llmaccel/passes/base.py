@@ -48,9 +48,9 @@ class PassContext:
     # Returns calibration token ids of shape (n_samples, seq_len); computed on first use.
     calib_source: Callable[[int, int], torch.Tensor] | None = None
     source_model: Any = None  # the model before any pass, for passes that distil against it
-    # Names of the passes that run after the current one: a pass that has a training form
-    # (see Pass.heal_schedule) emits it only when `heal` follows.
-    later: tuple[str, ...] = ()
+    # Whether a pass that trains the graph (Pass.trains: heal) runs after the current one: a
+    # pass with a training form (Pass.training_form) emits it only then.
+    trained: bool = False
     # Continues token-id prompts with a model: sampler(model, prompts, length, seed=, max_seqs=)
     # -> ((n, length) ids, stats). The engine's runtime.windows.sample_windows, handed down by
     # the frontends (the engine sits above the passes); None where nobody handed one.
@@ -94,18 +94,26 @@ class Pass:
         """Called on every pass once the compile's passes end, failed or not: ends what start()
         began and run() did not take."""
 
-    # Training forms. A pass whose inference form cannot be trained directly (a progressive
-    # blend that ends in a folded op, packed weights that need a straight-through estimator)
-    # emits a training form when `heal` is in ctx.later. heal calls these two hooks of every
-    # registered pass; both are no-ops unless the graph holds that pass's training form.
-    @classmethod
-    def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
-        """Set the training form to training progress `frac` in [0, 1]; 1 = as unhealed inference."""
+    # A pass that trains the graph it is given (heal): the passes before it emit their training
+    # forms (PassContext.trained).
+    trains: ClassVar[bool] = False
 
     @classmethod
-    def heal_finish(cls, gm: torch.fx.GraphModule) -> dict[str, Any]:
-        """Replace the training form by the inference form in place; returns stats (empty if none)."""
-        return {}
+    def training_form(cls, gm: torch.fx.GraphModule) -> "TrainingForm | None":
+        """This pass's training form in `gm`, for a training pass to move and finish: a pass
+        whose inference form cannot be trained directly (a progressive blend that ends in a
+        folded op, packed weights that need a straight-through estimator) emits one when
+        PassContext.trained. Its schedule and finish are no-ops on a graph without it."""
+        return None
+
+
+@dataclass
+class TrainingForm:
+    """schedule(frac): the training form at training progress frac in [0, 1] (1 = as the
+    untrained inference form); finish(): replaced in place by the inference form, its stats
+    (empty if there was none)."""
+    schedule: Callable[[float], None]
+    finish: Callable[[], dict[str, Any]]
 
 
 def option_fields(config_cls: type) -> dict[str, tuple[Any, Any]]:

@@ -13,9 +13,9 @@ them (o, down; every GPT-2 linear, whose norms are LayerNorms) get plain `bitlin
 is inserted, since that would change what a pretrained model computes.
 
 With `heal` later in the pass list the pass emits the training form (fp latent weights,
-straight-through fake quantization, llmaccel/ops/bitlinear.py) and heal_finish packs it. Without
+straight-through fake quantization, llmaccel/ops/bitlinear.py) and its training form's finish packs it. Without
 heal the pass builds the same training form and packs it at once, so both paths share one
-packing routine: heal_finish on unchanged latent weights gives exactly the non-heal graph.
+packing routine: finishing it on unchanged latent weights gives exactly the non-heal graph.
 
 Scale (`bitlinear.scale`): BitNet b1.58 uses one absmean per weight tensor; per output channel is
 the default here. Converting a pretrained model (SmolLM2-135M, no healing, 8192 held-out
@@ -41,7 +41,7 @@ import torch.fx
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import bitlinear as bl
-from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.base import Pass, PassContext, PassResult, TrainingForm
 from llmaccel.passes.bitlinear_fit import ternary_fit
 from llmaccel.passes.fitting import FitOptions, fit_sites, quality, snapshot
 from llmaccel.ir import add_weight, is_op, op_nodes, prune_weights, weight_of
@@ -148,7 +148,7 @@ class Bitlinear(Pass):
             stats["fit"] = fit_sites(gm, ctx, c, lambda errs, updates: (
                 {n: ternary_fit(gm, n, c.fit_damp, errs, updates) for n in op_nodes(gm, *_TRAIN_OPS)},
                 set()), "bitlinear fit", orig)
-        if "heal" in ctx.later:
+        if ctx.trained:
             stats["form"] = "training (packed by heal)"
             stats.update(_latent_stats(gm))
             fitted = _packed_copy(gm) if unfitted is not None else None
@@ -198,7 +198,11 @@ class Bitlinear(Pass):
         return int(fuse)
 
     @classmethod
-    def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
+    def training_form(cls, gm: torch.fx.GraphModule) -> TrainingForm:
+        return TrainingForm(lambda frac: cls._schedule(gm, frac), lambda: cls._finish(gm))
+
+    @classmethod
+    def _schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
         lam = getattr(gm, _LAMBDA, None)
         if not isinstance(lam, torch.Tensor):
             return
@@ -206,7 +210,7 @@ class Bitlinear(Pass):
         lam.fill_(1.0 if warm <= 0 else min(1.0, frac / warm))
 
     @classmethod
-    def heal_finish(cls, gm: torch.fx.GraphModule) -> dict:
+    def _finish(cls, gm: torch.fx.GraphModule) -> dict:
         if not op_nodes(gm, *_TRAIN_OPS):
             return {}
         st = _finish(gm)

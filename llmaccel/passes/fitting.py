@@ -34,7 +34,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import compare, domain_tokens, graph_forward, text_encoder
 from llmaccel.ir import is_op, positions, replace_weight, weight_of
-from llmaccel.passes.heal_data import PROMPT_TOKENS, sample_source
+from llmaccel.passes.sampled import PROMPT_TOKENS, sample_source
 
 
 @dataclass

@@ -18,7 +18,7 @@ measured figure). With a `heal` after it the pass emits a training form (`relu_g
 shift a 0-dim buffer) and holds that sparsity through the heal: every 2% of training progress
 the shift is solved again on the same tokens, so the heal improves quality at the asked
 sparsity instead of trading sparsity for it (with a fixed shift of 0.25 an H200 heal took relu
-from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); heal_finish solves it once
+from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); its training form's finish solves it once
 more and writes it back as a float. On a graph ReLUfied before (an artifact healed further)
 `relu.sparsity` solves the shift again and holds it through a heal after it; nothing else moves.
 
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sparse import relu_glu, relu_glu_held, sparse_down
-from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.base import Pass, PassContext, PassResult, TrainingForm
 from llmaccel.passes.fitting import FitOptions, fit_sites, quality, rel_err, ridge_refit_validated, snapshot, subgraph
 from llmaccel.ir import add_weight, is_op, op_nodes, positions, probe, prune_weights, replace_weight, weight_of
 
@@ -126,7 +126,7 @@ class _Hold:
         self.ids, self.target, self.kind, self.next = ids, target, kind, 0.0
         self.start, self.ramp = start, ramp   # the target at progress 0, reached at `ramp`
         # a model held in a lower precision is probed under autocast to it: during the heal its
-        # trained weights are fp32 master copies beside its other weights (as heal_data.DomainEval)
+        # trained weights are fp32 master copies beside its other weights (as heal.data.DomainEval)
         self.amp = None if dtype == torch.float32 else dtype
         # the probe of the gates and ups, built once (building it copies the graph: ~0.1 s); it
         # reads gm's own weight objects, which the heal updates in place
@@ -214,7 +214,7 @@ class Relu(Pass):
         mlps = op_nodes(gm, ops.silu_mul)
         if not mlps and op_nodes(gm, ops.relu_mul, relu_glu) and c.sparsity:
             return self._retarget(gm, ctx)
-        if c.ramp and "heal" not in ctx.later:
+        if c.ramp and not ctx.trained:
             raise LlmaccelError("relu.ramp raises the sparsity during a heal: add heal after relu")
         if not mlps:
             fam = ctx.config.family if ctx.config is not None else "this"
@@ -244,7 +244,7 @@ class Relu(Pass):
         if c.sparse_op:
             for down, s in zip(downs, sparsity):
                 self._to_sparse(gm, down, s)
-        held = bool(c.sparsity) and "heal" in ctx.later
+        held = bool(c.sparsity) and ctx.trained
         if held:
             self._hold(gm, mlps, ids, shift, start=sum(sparsity) / len(sparsity))
         prune_weights(gm)
@@ -282,7 +282,7 @@ class Relu(Pass):
             self._set_acts(acts, shift)
         sparsity = measure_sparsity(gm, ids)
         _hint_sparsity(acts, sparsity)
-        held = "heal" in ctx.later
+        held = ctx.trained
         if held:
             self._hold(gm, acts, ids, shift)
         mean = sum(sparsity) / len(sparsity)
@@ -329,7 +329,7 @@ class Relu(Pass):
         return out
 
     def _hold(self, gm, acts, ids: torch.Tensor, shift: float, start: float = 0.0) -> None:
-        """The training form: every activation reads one shift buffer that heal_schedule moves."""
+        """The training form: every activation reads one shift buffer that the training form's schedule moves."""
         # a buffer, not a parameter: the heal trains parameters
         gm.register_buffer(_SHIFT, torch.tensor(float(shift), device=next(gm.parameters()).device))
         with gm.graph.inserting_before(acts[0]):
@@ -342,7 +342,11 @@ class Relu(Pass):
         gm.relu_hold = _Hold(ids[:_HOLD_WINDOWS], c.sparsity, c.kind, dtype, start, c.ramp)
 
     @classmethod
-    def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
+    def training_form(cls, gm: torch.fx.GraphModule) -> TrainingForm:
+        return TrainingForm(lambda frac: cls._schedule(gm, frac), lambda: cls._finish(gm))
+
+    @classmethod
+    def _schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
         hold = getattr(gm, "relu_hold", None)
         if hold is None or frac >= 1.0 or frac < hold.next:  # 1.0: the inference state, as it is
             return
@@ -350,7 +354,7 @@ class Relu(Pass):
         hold.solve(gm, frac)
 
     @classmethod
-    def heal_finish(cls, gm: torch.fx.GraphModule) -> dict:
+    def _finish(cls, gm: torch.fx.GraphModule) -> dict:
         acts = op_nodes(gm, relu_glu_held)
         if not acts:
             return {}

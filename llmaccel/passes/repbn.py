@@ -14,7 +14,7 @@ When `heal` follows, the pass emits the training form instead: `repbn_blend` =
 lam * Norm(x) + (1 - lam) * BN(x) with lam a 0-dim buffer (never trained) moved by the heal
 schedule lam = max(0, 1 - frac / repbn.ramp): the source model at the first step, pure BN for
 the last (1 - ramp) of the steps. heal trains gamma, beta and the norm weights; the BN statistics
-stay as calibrated (so the trained BN is exactly the BN that is folded). heal_finish then folds
+stay as calibrated (so the trained BN is exactly the BN that is folded). the training form's finish then folds
 the blend exactly as the path without heal does.
 
 A norm read by anything but a linear's input (a quantized linear, a residual) keeps a cheap
@@ -43,7 +43,7 @@ from llmaccel import ops
 from llmaccel.ir import op_counts
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
-from llmaccel.passes.base import Pass, PassContext, PassResult
+from llmaccel.passes.base import Pass, PassContext, PassResult, TrainingForm
 from llmaccel.passes.fitting import FitOptions, fit_sites, quality, snapshot
 from llmaccel.ir import (add_weight, fold_affine, fresh_name, is_op, op_nodes, positions, prune_weights,
                          replace_weight, weight_of)
@@ -370,7 +370,7 @@ class RepBN(Pass):
             fit_st = fit_sites(gm, ctx, c, lambda errs, updates: (
                 {n: _affine_fit(gm, c.fit_damp, c.fit_shift, errs, updates) for n in op_nodes(gm, rops.repbn_blend)},
                 set()), "repbn fit", orig)
-        training = "heal" in ctx.later
+        training = ctx.trained
         # The inference form is what ships either way: in the training form it is previewed
         # on a copy so that the figures below describe the model heal will finish into.
         target = copy.deepcopy(gm) if training else gm
@@ -396,14 +396,18 @@ class RepBN(Pass):
         return PassResult(gm, len(norms), stats)
 
     @classmethod
-    def heal_schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
+    def training_form(cls, gm: torch.fx.GraphModule) -> TrainingForm:
+        return TrainingForm(lambda frac: cls._schedule(gm, frac), lambda: cls._finish(gm))
+
+    @classmethod
+    def _schedule(cls, gm: torch.fx.GraphModule, frac: float) -> None:
         for n in op_nodes(gm, rops.repbn_blend):
             ramp = n.meta.get("repbn_ramp", _DEFAULT_RAMP)
             lam = 0.0 if ramp <= 0 else max(0.0, 1.0 - frac / ramp)
             weight_of(gm, n.args[7]).fill_(lam)
 
     @classmethod
-    def heal_finish(cls, gm: torch.fx.GraphModule) -> dict:
+    def _finish(cls, gm: torch.fx.GraphModule) -> dict:
         if not op_nodes(gm, rops.repbn_blend):
             return {}
         st = fold(gm)

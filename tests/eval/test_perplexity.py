@@ -96,7 +96,7 @@ def test_a_model_past_exp_range_reports_inf_ppl_not_an_error():
     """A broken model (a mean NLL over ~710 nats a token) has perplexity inf: exp overflows a
     float, and that is a figure to report (the compile report, the heal's and the domains')."""
     from llmaccel.eval.domains import ppl_of
-    from llmaccel.passes.heal import held_out_quality
+    from llmaccel.heal.heal import held_out_quality
     m, src = load("preset:tiny-llama"), load("preset:tiny-llama")
     with torch.no_grad():
         dict(m.gm.named_parameters())["norm.weight"].mul_(1e5)   # logits of ~1e4

@@ -152,7 +152,7 @@ def test_shape_mismatch_is_rejected(kb):
 def test_lowering_maps_ir_ops_to_custom_ops():
     from llmaccel.codegen.lower import lower
     from llmaccel.compiler.model import load
-    from llmaccel.passes import get_pass
+    from llmaccel.compiler.registry import get_pass
     from llmaccel.passes.base import PassContext, Progress
 
     m = load("preset:tiny-llama")

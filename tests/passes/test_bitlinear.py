@@ -12,7 +12,7 @@ from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import bitlinear as bo
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.ir import op_nodes, weight_of
 from llmaccel.sampling import SamplingParams
@@ -22,9 +22,9 @@ PACKED_OPS = (bo.bitlinear, bo.rms_norm_bitlinear)
 TRAIN_OPS = (bo.bitlinear_train, bo.rms_norm_bitlinear_train)
 
 
-def run_pass(src="preset:tiny-llama", later=(), model=None, **opts):
+def run_pass(src="preset:tiny-llama", trained=False, model=None, **opts):
     m = model or load(src)
-    ctx = PassContext(m.config, progress=Progress(False), later=tuple(later))
+    ctx = PassContext(m.config, progress=Progress(False), trained=trained)
     res = BITLINEAR(make_config(BITLINEAR, {k: str(v) for k, v in opts.items()})).run(m.gm, ctx)
     res.gm.graph.lint()
     res.gm.recompile()
@@ -164,12 +164,12 @@ def test_compile_with_heal_leaves_packed_weights():
 def test_heal_finish_equals_non_heal_pass():
     ids = torch.randint(0, 512, (2, 11))
     plain, _ = run_pass()
-    trained, _ = run_pass(later=("heal",))
+    trained, _ = run_pass(trained=True)
     assert len(op_nodes(trained.gm, *TRAIN_OPS)) == 8
     train_logits = trained.logits(ids)
-    st = BITLINEAR.heal_finish(trained.gm)
+    st = BITLINEAR.training_form(trained.gm).finish()
     trained.gm.recompile()
-    assert st["bitlinear"]["bits_per_weight"] < 3 and BITLINEAR.heal_finish(trained.gm) == {}
+    assert st["bitlinear"]["bits_per_weight"] < 3 and BITLINEAR.training_form(trained.gm).finish() == {}
     out = trained.logits(ids)
     assert torch.equal(out, plain.logits(ids))
     # the training form's forward is the inference form up to fp32 rounding, which can move an
@@ -180,14 +180,14 @@ def test_heal_finish_equals_non_heal_pass():
 
 
 def test_warmup_schedule_ramps_quantization():
-    m, _ = run_pass(later=("heal",), warmup=0.5)
+    m, _ = run_pass(trained=True, warmup=0.5)
     ids = torch.randint(0, 512, (1, 9))
-    BITLINEAR.heal_schedule(m.gm, 0.0)
+    BITLINEAR.training_form(m.gm).schedule(0.0)
     assert m.gm.bitlinear_lambda.item() == 0.0
     torch.testing.assert_close(m.logits(ids), load("preset:tiny-llama").logits(ids), rtol=1e-4, atol=1e-4)
-    BITLINEAR.heal_schedule(m.gm, 0.25)
+    BITLINEAR.training_form(m.gm).schedule(0.25)
     assert m.gm.bitlinear_lambda.item() == 0.5
-    BITLINEAR.heal_schedule(m.gm, 0.9)
+    BITLINEAR.training_form(m.gm).schedule(0.9)
     assert m.gm.bitlinear_lambda.item() == 1.0
 
 

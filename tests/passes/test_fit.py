@@ -13,7 +13,7 @@ from llmaccel.compiler.model import load
 from llmaccel.eval.domains import compare, graph_forward
 from llmaccel.ir import is_op, probe
 from llmaccel.errors import LlmaccelError
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.fitting import FitOptions, fit_windows
 from llmaccel.runtime.windows import sample_windows

@@ -9,7 +9,7 @@ from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.attention import ContiguousKVCache
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.gqa import _cmul_rows
 from llmaccel.ir import op_nodes, weight_of

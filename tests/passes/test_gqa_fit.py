@@ -7,7 +7,7 @@ import torch
 from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.ir import is_op, op_nodes, positions, probe, weight_of
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.fitting import _attention_input, rel_err, subgraph
 

@@ -8,7 +8,7 @@ from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import quant as qo
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.passes.quant import Grid, QuantConfig, gptq
 

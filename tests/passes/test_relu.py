@@ -10,7 +10,7 @@ from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.sparse import relu_glu, sparse_down
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
 from llmaccel.ir import op_nodes, weight_of
 from llmaccel.passes.relu import measure_sparsity
@@ -234,12 +234,12 @@ def test_heal_finish_without_the_hold_keeps_the_shift_it_has():
     form still ends as relu_glu, with the shift its buffer holds."""
     m = load("preset:tiny-llama")
     g = torch.Generator().manual_seed(0)
-    ctx = PassContext(m.config, progress=Progress(False), later=("heal",),
+    ctx = PassContext(m.config, progress=Progress(False), trained=True,
                       calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
     relu = get_pass("relu")
     st = relu(make_config(relu, {**CALIB, "sparsity": "0.7"})).run(m.gm, ctx).stats
     del m.gm.relu_hold
-    assert relu.heal_finish(m.gm) == {"relu_held": {"shift": pytest.approx(st["shift"], abs=1e-6), "held": False}}
+    assert relu.training_form(m.gm).finish() == {"relu_held": {"shift": pytest.approx(st["shift"], abs=1e-6), "held": False}}
     assert m.op_counts()["relu_glu"] == 2 and "relu_shift" not in dict(m.gm.named_buffers())
 
 
@@ -249,11 +249,11 @@ def test_heal_holds_the_sparsity_of_a_bf16_model():
     from llmaccel.passes.base import PassContext
     m, src = load("preset:tiny-llama", dtype=torch.bfloat16), load("preset:tiny-llama", dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    ctx = PassContext(m.config, progress=Progress(False), source_model=src, later=("heal",),
+    ctx = PassContext(m.config, progress=Progress(False), source_model=src, trained=True,
                       calib_source=lambda n, s: torch.randint(0, 512, (n, s), generator=g))
     relu, heal = get_pass("relu"), get_pass("heal")
     relu(make_config(relu, {**CALIB, "sparsity": "0.7"})).run(m.gm, ctx).gm.recompile()
-    ctx.later = ()
+    ctx.trained = False
     st = heal(make_config(heal, {"steps": "4", "seq_len": "16", "batch": "2", "eval_windows": "2",
                                  "lr": "3e-2", "dtype": "bfloat16"})).run(m.gm, ctx).stats
     assert abs(st["relu_held"]["sparsity_mean"] - 0.7) < 0.02, st["relu_held"]

@@ -1,6 +1,6 @@
 """repbn: the BN ops match their formulas; calibration records the norm inputs' statistics; the
 folded graph computes what the BN graph computes; the training form at lam = 1 is the source
-model; heal_finish folds exactly like the path without heal; artifacts round-trip."""
+model; the finished training form folds exactly like the path without heal; artifacts round-trip."""
 import operator
 
 import pytest
@@ -12,9 +12,9 @@ from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import repbn as rops
 from llmaccel.ops.attention import ContiguousKVCache
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
-from llmaccel.passes.heal import trainable_weights
+from llmaccel.heal.heal import trainable_weights
 from llmaccel.ir import op_nodes, weight_of
 from llmaccel.passes.repbn import RepBN
 
@@ -24,15 +24,15 @@ NORM_OPS = (ops.rms_norm, ops.layer_norm, ops.add_rms_norm, ops.add_layer_norm,
 OPTS = {"samples": "4", "seq_len": "32", "time_reps": "1", "time_tokens": "8", "clamp": "0"}
 
 
-def _ctx(model, later=()):
+def _ctx(model, trained=False):
     def calib(n, s):  # the same ids on every call, so two runs calibrate alike
         return torch.randint(0, model.config.vocab_size, (n, s), generator=torch.Generator().manual_seed(0))
-    return PassContext(model.config, progress=Progress(False), calib_source=calib, later=tuple(later))
+    return PassContext(model.config, progress=Progress(False), calib_source=calib, trained=trained)
 
 
-def _repbn(model, later=(), **opts):
+def _repbn(model, trained=False, **opts):
     cfg = make_config(RepBN, {**OPTS, **{k: str(v) for k, v in opts.items()}})
-    res = RepBN(cfg).run(model.gm, _ctx(model, later))
+    res = RepBN(cfg).run(model.gm, _ctx(model, trained))
     res.gm.graph.lint()
     res.gm.recompile()
     return res.stats
@@ -88,7 +88,7 @@ def test_calibrated_bn_equals_reference_formula(src):
     norms = op_nodes(m.gm, ops.rms_norm, ops.layer_norm)
     weights = [weight_of(m.gm, n.args[1]) for n in norms]
     biases = [weight_of(m.gm, n.args[2]) if n.target is ops.layer_norm else None for n in norms]
-    _repbn(m, later=("heal",), stats="source")
+    _repbn(m, trained=True, stats="source")
     blends = op_nodes(m.gm, rops.repbn_blend)
     assert len(blends) == len(inputs) == 2 * m.config.n_layers + 1
     for blend, h, w, b in zip(blends, inputs, weights, biases):
@@ -104,8 +104,8 @@ def test_calibrated_bn_equals_reference_formula(src):
 def test_sequential_stats_see_earlier_bns():
     src = "preset:tiny-llama"
     a, b = load(src), load(src)
-    _repbn(a, later=("heal",), stats="source")
-    _repbn(b, later=("heal",), stats="sequential")
+    _repbn(a, trained=True, stats="source")
+    _repbn(b, trained=True, stats="sequential")
     ma = [weight_of(a.gm, n.args[3]) for n in op_nodes(a.gm, rops.repbn_blend)]
     mb = [weight_of(b.gm, n.args[3]) for n in op_nodes(b.gm, rops.repbn_blend)]
     torch.testing.assert_close(ma[0], mb[0])  # the first norm sees the embedding either way
@@ -118,11 +118,11 @@ def test_training_form_lam1_is_source_and_finish_folds_exactly(src, clamp):
     ids = _ids()
     ref = load(src).logits(ids)
     m = load(src)
-    st = _repbn(m, later=("heal",), clamp=clamp)
+    st = _repbn(m, trained=True, clamp=clamp)
     assert st["form"].startswith("training") and st["norm_ops_after"] == 0
-    RepBN.heal_schedule(m.gm, 0.0)
+    RepBN.training_form(m.gm).schedule(0.0)
     _close(m.logits(ids), ref, 1e-5)  # lam = 1: the source model
-    RepBN.heal_schedule(m.gm, 1.0)
+    RepBN.training_form(m.gm).schedule(1.0)
     # Stand-in for training: move gamma, beta and the norm weights away from their start.
     g = torch.Generator().manual_seed(3)
     for n in op_nodes(m.gm, rops.repbn_blend):
@@ -131,11 +131,11 @@ def test_training_form_lam1_is_source_and_finish_folds_exactly(src, clamp):
                 t = weight_of(m.gm, a)
                 t.add_(0.1 * torch.randn(t.shape, generator=g))
     bn = m.logits(ids)
-    fin = RepBN.heal_finish(m.gm)
+    fin = RepBN.training_form(m.gm).finish()
     assert fin["repbn_norms_folded"] == 2 * m.config.n_layers + 1 and fin["repbn_affine_kept"] == 0
     assert not op_nodes(m.gm, *NORM_OPS)
     _close(m.logits(ids), bn, 1e-4)
-    assert RepBN.heal_finish(m.gm) == {}
+    assert RepBN.training_form(m.gm).finish() == {}
 
 
 @pytest.mark.parametrize("clamp", ["0", "1"])
@@ -151,10 +151,10 @@ def test_heal_finish_equals_inference_path(src, clamp):
     assert st["forward_ms_before"] > 0 and st["forward_ms_after"] > 0
     assert st["lm_head_untied"] == a.config.tie_word_embeddings
     assert not op_nodes(a.gm, *NORM_OPS)
-    _repbn(b, later=("heal",), clamp=clamp)
-    RepBN.heal_schedule(b.gm, 1.0)
+    _repbn(b, trained=True, clamp=clamp)
+    RepBN.training_form(b.gm).schedule(1.0)
     bn = b.logits(ids)
-    RepBN.heal_finish(b.gm)
+    RepBN.training_form(b.gm).finish()
     _close(a.logits(ids), b.logits(ids), 1e-6)
     _close(a.logits(ids), bn, 1e-4)
     assert a.op_counts() == b.op_counts()
@@ -162,11 +162,11 @@ def test_heal_finish_equals_inference_path(src, clamp):
 
 def test_schedule_and_trainable_state():
     m = load("preset:tiny-llama")
-    _repbn(m, later=("heal",), ramp="0.5")
+    _repbn(m, trained=True, ramp="0.5")
     n = op_nodes(m.gm, rops.repbn_blend)[0]
     lam = weight_of(m.gm, n.args[7])
     for frac, want in ((0.0, 1.0), (0.25, 0.5), (0.5, 0.0), (1.0, 0.0)):
-        RepBN.heal_schedule(m.gm, frac)
+        RepBN.training_form(m.gm).schedule(frac)
         assert lam.item() == pytest.approx(want)
     names = set(trainable_weights(m.gm, embed=False))
     assert {n.args[5].target, n.args[6].target, n.args[1].target} <= names  # gamma, beta, norm weight
@@ -208,11 +208,11 @@ def test_reader_that_is_not_a_linear_keeps_an_affine_op():
         scaled = m.gm.graph.call_function(operator.mul, (final, 1.5))
     head.args = (scaled, *head.args[1:])
     m.gm.recompile()
-    st = _repbn(m, later=("heal",))
+    st = _repbn(m, trained=True)
     assert st["affine_kept"] == 1 and st["norms_removed"] == 2 * m.config.n_layers
-    RepBN.heal_schedule(m.gm, 1.0)
+    RepBN.training_form(m.gm).schedule(1.0)
     bn = m.logits(_ids())
-    RepBN.heal_finish(m.gm)
+    RepBN.training_form(m.gm).finish()
     assert len(op_nodes(m.gm, rops.norm_affine)) == 1
     _close(m.logits(_ids()), bn, 1e-4)
 

@@ -164,7 +164,7 @@ def test_bad_options(opts, match):
 
 
 def test_nothing_left_to_replace():
-    from llmaccel.passes import get_pass
+    from llmaccel.compiler.registry import get_pass
     from llmaccel.passes.base import PassContext, Progress, make_config
 
     m = compile("preset:tiny-llama", ["sla"], {"sla": {"init": "zeros"}}, progress=False, eval_tokens=0)

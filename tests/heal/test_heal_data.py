@@ -14,14 +14,15 @@ from llmaccel.compiler.model import load
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import DOMAINS
 from llmaccel.eval.prompts import PROMPTS
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import make_config
-from llmaccel.passes.heal_data import prompt_ids, resolve_prompts
+from llmaccel.heal.data import resolve_prompts
+from llmaccel.passes.sampled import prompt_ids
 from llmaccel.runtime.windows import sample_windows
 from llmaccel.runtime import engine as engine_mod
 from llmaccel.runtime import windows as windows_mod
 
-from tests.passes.test_heal import _ctx, _damage
+from tests.heal.test_heal import _ctx, _damage
 
 SRC = "preset:tiny-llama"
 
@@ -305,7 +306,7 @@ def test_a_sampling_process_that_fails_before_its_first_window_hands_over_to_a_t
 def test_out_of_memory_names_the_options_that_free_it(monkeypatch):
     """A step that runs out of device memory: one error naming heal.batch, and heal.refresh
     when the engine samples beside training (its KV cache is then on the device too)."""
-    from llmaccel.passes import heal_train
+    from llmaccel.heal import train as heal_train
 
     def oom(self, *a, **kw):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")

@@ -6,14 +6,14 @@ optional MSE on the residual stream that feeds the final norm. The reference ops
 differentiable, so training is plain autograd through the IR graph: float weights get
 requires_grad for the duration of the pass and are frozen again afterwards.
 
-How a step runs (heal_train.py): on CUDA by default in bf16 autocast with fp32 master weights
+How a step runs (train.py): on CUDA by default in bf16 autocast with fp32 master weights
 (`heal.dtype`), the teacher's and student's forwards compiled by Inductor (`heal.compile`),
 ~16k tokens per step (`heal.batch`, `heal.seq_len`: 0 = sized for the device), the KL over the
 vocabulary `heal.kl_chunk` rows at a time. On a CPU: fp32, eager, 2 x 64 tokens.
 
 Quality is measured on calibration windows held out from training (the last `eval_windows`
 windows of the calibration text), before and after, so the report says what healing bought;
-and on every evaluation domain (heal_data.DomainEval: wikitext2's second half and texts of
+and on every evaluation domain (data.DomainEval: wikitext2's second half and texts of
 other domains, never trained on) before, at `domain_evals` points during, and after the heal.
 The stats also give the training throughput (`train_tok_s`, tokens per second of the training
 loop, compilation included, domain measurements not; `steady_tok_s` without the first step,
@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import ppl_of
-from llmaccel.passes import registry
+from llmaccel.heal.config import HealConfig
+from llmaccel.heal.data import DomainEval, WindowPool, resolve_prompts
+from llmaccel.passes import rewrites
 from llmaccel.passes.base import Pass, PassContext, PassResult
-from llmaccel.passes.heal_config import HealConfig
-from llmaccel.passes.heal_data import PROMPT_TOKENS, DomainEval, WindowPool, resolve_prompts, sample_source
-from llmaccel.passes.heal_train import (Trainer, auto_shape, master_weights, resolve_backend,
+from llmaccel.passes.sampled import PROMPT_TOKENS, sample_source
+from llmaccel.heal.train import (Trainer, auto_shape, master_weights, resolve_backend,
                                         resolve_dtype)
 from llmaccel.ir import is_op, positions, weight_of
 
@@ -174,6 +175,7 @@ def _stop_on_interrupt(log):
 
 class Heal(Pass):
     name = "heal"
+    trains = True
     summary = "self-distillation (KL on logits, optional hidden-state MSE) against the source model"
     exact = False
     config_cls = HealConfig
@@ -265,9 +267,9 @@ class Heal(Pass):
         # an early pool stays in _early until close(), which also ends it where run() fails first
         pool = self._early or WindowPool(train, refresh)
         # Passes with a training form: "before" is measured in their unhealed inference state.
-        hooks = list(registry().values())
+        hooks = [f for f in (cls.training_form(gm) for cls in rewrites().values()) if f is not None]
         for h in hooks:
-            h.heal_schedule(gm, 1.0)
+            h.schedule(1.0)
         before = held_out_quality(gm, teacher, held, batch)
         domains = DomainEval(ctx.source_model, *c.domain_plan(ctx.device), ctx.device)
         domains.measure(gm, 0, 0)
@@ -302,8 +304,8 @@ class Heal(Pass):
                 p.grad = None
         finished: dict = {}
         for h in hooks:
-            h.heal_schedule(gm, 1.0)
-            finished.update(h.heal_finish(gm))
+            h.schedule(1.0)
+            finished.update(h.finish())
         gm.graph.lint()
         gm.recompile()
         after = held_out_quality(gm, teacher, held, batch)
@@ -365,12 +367,12 @@ class Heal(Pass):
                         losses += torch.stack(pending).tolist()
                         pending = []
                     for h in hooks:
-                        h.heal_schedule(gm, 1.0)
+                        h.schedule(1.0)
                     paused = domains.measure(gm, step, step * batch * seq_len)
                     t0 += paused
                     t1 = None if t1 is None else t1 + paused
                 for h in hooks:
-                    h.heal_schedule(gm, frac)
+                    h.schedule(frac)
                 pending.append(trainer.step(pool.buf[pool.batch(batch), :-1], _lr_at(step, frac, c)))
                 if step in (0, c.steps - 1) or len(pending) >= _SYNC_EVERY:
                     losses += torch.stack(pending).tolist()

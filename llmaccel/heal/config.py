@@ -73,7 +73,7 @@ class HealConfig:
     top_p: float = 1.0
     # Windows the engine samples while training runs (sharing the device), trained on as they
     # arrive, fresh ones first: a heal that goes over its windows many times fits them rather
-    # than the source (heal_data.WindowPool). 0 = none; -1 = auto: _REFRESH_AUTO on CUDA with
+    # than the source (data.WindowPool). 0 = none; -1 = auto: _REFRESH_AUTO on CUDA with
     # the engine's sampler when the heal would go round its windows (a `minutes` budget, or more
     # steps x batch than windows; sampling stops with training; a 6-minute H200 heal of gqa to one
     # KV head used 16,384 of them: ΔPPL on code +50% -> +35%, docs +45% -> +31%), 0 elsewhere.
@@ -104,7 +104,7 @@ class HealConfig:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # torch.compile backend of the forwards (auto: inductor on CUDA, off elsewhere)
     compile: Literal["auto", "off", "inductor", "aot_eager"] = "auto"
-    # Compile each decoder layer once and reuse it for the alike layers (heal_regions.py: nested
+    # Compile each decoder layer once and reuse it for the alike layers (regions.py: nested
     # compile regions) instead of the whole graph. 2-core CPU, SmolLM2-135M shapes, Inductor:
     # first step 80 -> 39 s but later steps ~10% slower; sla 190 -> 62 s, later steps no slower.
     # auto: on for graphs with linear attention (sla), whose whole graph compiles slowest: on an

@@ -13,10 +13,10 @@ from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.errors import LlmaccelError
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
-from llmaccel.passes.heal import trainable_weights
-from llmaccel.passes.heal_train import Trainer, heal_view
+from llmaccel.heal.heal import trainable_weights
+from llmaccel.heal.train import Trainer, heal_view
 from llmaccel.ir import op_nodes, weight_of
 from llmaccel.runtime.windows import sample_windows
 

@@ -11,10 +11,10 @@ from llmaccel.compiler.families import capture
 from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
 from llmaccel.compiler.presets import PRESETS, random_weights
-from llmaccel.passes import heal_train
-from llmaccel.passes.heal import trainable_weights
-from llmaccel.passes.heal_regions import regional
-from llmaccel.passes.heal_train import Trainer, heal_view
+from llmaccel.heal import train as heal_train
+from llmaccel.heal.heal import trainable_weights
+from llmaccel.heal.regions import regional
+from llmaccel.heal.train import Trainer, heal_view
 
 
 def _four_layers():
@@ -154,7 +154,7 @@ def test_without_nested_regions_the_whole_graph_compiles(monkeypatch):
 def test_regional_auto_is_on_for_linear_attention_only(value, want_plain, want_sla):
     """auto: by layer where the graph has linear attention (its whole graph compiles slowest),
     the whole graph otherwise; true / false (or a bool from Python) force it."""
-    from llmaccel.passes.heal_config import HealConfig
+    from llmaccel.heal.config import HealConfig
     plain = load("preset:tiny-llama").gm
     sla = compile("preset:tiny-llama", ["sla"], {"sla": {"calib_samples": "2", "calib_seq_len": "32"}},
                   eval_tokens=0, progress=False).gm

@@ -1,6 +1,6 @@
 """The heal's forwards compiled one decoder layer at a time (`heal.regional`).
 
-A heal view (heal_train.heal_view) is one flat graph of every layer, so torch.compile traces,
+A heal view (heal/train.py: heal_view) is one flat graph of every layer, so torch.compile traces,
 differentiates and generates code for each of a model's layers although they are alike. Here
 the view is cut into segments, one per layer (the nodes that read the layer's weights and
 what follows from them up to the next layer's), and each segment becomes a function of its

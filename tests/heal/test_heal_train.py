@@ -13,10 +13,10 @@ from torch._dynamo.utils import counters
 from llmaccel import ops
 from llmaccel.compiler.model import load
 from llmaccel.compiler.pipeline import compile
-from llmaccel.passes import get_pass
+from llmaccel.compiler.registry import get_pass
 from llmaccel.passes.base import PassContext, Progress, make_config
-from llmaccel.passes.heal import _lr_at, kl_loss, trainable_weights
-from llmaccel.passes.heal_train import Head, Trainer, chunked_kl, heal_view
+from llmaccel.heal.heal import _lr_at, kl_loss, trainable_weights
+from llmaccel.heal.train import Head, Trainer, chunked_kl, heal_view
 
 OPTS = dict(steps=6, lr=3e-3, seq_len=32, batch=4, warmup=2, eval_windows=2)
 
@@ -108,7 +108,7 @@ def test_chunked_kl_equals_unchunked_loss_and_gradients(head):
 
 
 def test_compiled_forwards_match_eager_and_never_recompile_across_schedule_steps():
-    # repbn's training form: heal_schedule moves its lam buffer every step
+    # repbn's training form: its schedule moves its lam buffer every step
     opts = {"repbn": {"samples": 2, "seq_len": 16, "time_reps": 1, "ramp": 0.5},
             "heal": {"steps": 5, "seq_len": 16, "batch": 2, "eval_windows": 2}}
     curves = {}

@@ -39,7 +39,7 @@ from llmaccel import ops
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import is_op, positions, weight_of
-from llmaccel.passes.heal_regions import regional
+from llmaccel.heal.regions import regional
 from llmaccel.ops.rope import rope_at, rope_inv_freq
 
 _GPU_TOKENS = 16384   # training tokens per step on CUDA unless memory bounds it
@@ -271,7 +271,7 @@ class Trainer:
         (s, self.s_head), (t, self.t_head) = self._views
         self.rows_fn = kl_rows
         if backend:
-            if self.regional:   # each decoder layer traced and compiled once (heal_regions.py)
+            if self.regional:   # each decoder layer traced and compiled once (regions.py)
                 try:
                     rs, rt = regional(s), regional(t)
                 except Exception as e:  # noqa: BLE001 - cutting the graph failed: the whole graph
