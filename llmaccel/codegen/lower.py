@@ -231,6 +231,8 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     last_only: the LM head sees only the last position (a prefill that only needs the next token).
     prepared: weights converted for CPU forms, shared by the lowerings of one model (filled here).
     """
+    if linear not in ("mm", "rows", "gemv"):
+        raise ValueError(f"linear must be 'mm', 'rows' or 'gemv', got {linear!r}")
     rep = LowerReport()
     prepared = {} if prepared is None else prepared
     if select not in (None, "none"):
@@ -241,12 +243,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "_lowered")
     device = next((p.device for p in gm.parameters()), torch.device("cpu"))
     if last_only:
-        for node in list(new.graph.nodes):
-            if node.op == "call_function" and node.target is ops.lm_head:
-                with new.graph.inserting_before(node):
-                    last = new.graph.call_function(operator.getitem,
-                                                   (node.args[0], (slice(None), slice(-1, None))))
-                node.args = (last, *node.args[1:])
+        _head_reads_last(new)
     tables: dict[tuple, tuple[str, str]] = {}
     # a weight-quantized graph runs its CPU linears' x in bf16 (int_codes.cpu_act_dtype): its LM
     # head too, a third of a W4 decode step in fp32 (not in the fused GEMVs' lowering: that is
@@ -257,70 +254,94 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
         if name is None:
             continue
         if node.target is ops.rope:
-            key = (node.kwargs["head_dim"], node.kwargs["theta"], repr(node.kwargs.get("scaling")))
-            if key not in tables:
-                cos, sin = rope_tables(node.kwargs["head_dim"], node.kwargs["theta"],
-                                       node.kwargs.get("scaling"), max_len, device)
-                base = f"_rope{len(tables)}"
-                set_weight(new, base + ".cos", cos)
-                set_weight(new, base + ".sin", sin)
-                tables[key] = (base + ".cos", base + ".sin")
-            with new.graph.inserting_before(node):
-                c = new.graph.get_attr(tables[key][0])
-                s = new.graph.get_attr(tables[key][1])
-            x, positions = node.args[:2]
-            retarget(node, rope_table)
-            node.args = (x, c, s, positions)
-            node.kwargs = {"head_dim": node.kwargs["head_dim"]}
-            rep.rope += 1
-            # uncompiled steps on a GPU: one kernel per rotation (kernels/pointwise.py) for the
-            # reference's eight aten kernels; compiled steps keep the reference, which Inductor
-            # fuses and the decode steps' fuse_rope folds into the attention
-            op = custom_op(namespace, "rope_table") if select == "eager" and device.type != "cpu" \
-                and node.kwargs["head_dim"] % 2 == 0 else None  # the kernel rotates even halves
-            if op is not None:
-                retarget(node, op)
-                rep.custom["rope_table"] = rep.custom.get("rope_table", 0) + 1
-            continue
-        # ops with a lowering of their own (attention takes a Python context, rope the tables
-        # above) never map to a custom op by name; the others do wherever one is registered
-        if OPS[name].context or not _wanted(name, select):
-            continue
-        # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
-        # they are (their CPU implementation is the reference)
-        # (the CPU forms stand for the project's own custom ops: another namespace gets its ops)
-        form = cpu_forms().get(name) if device.type == "cpu" and namespace == "llmaccel" and not (
-            linear == "gemv" and int4_gemv_weights(node)) else None
-        if name == "lm_head" and device.type == "cpu" and quantized and linear != "gemv":
-            form = (prepare_head_cpu, lm_head_cpu, 1)
-        if form is not None and _to_cpu_form(new, node, form, rep, prepared):
-            rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
-            continue
-        op = custom_op(namespace, name)
-        if op is None:
-            continue
-        if not accepts(op, node):
-            rep.rejected[name] = f"schema {op.default._schema} does not take the IR node's arguments"
-            continue
-        retarget(node, op)
-        rep.custom[name] = rep.custom.get(name, 0) + 1
+            _lower_rope(new, node, tables, max_len, device, select, namespace, rep)
+        elif not OPS[name].context and _wanted(name, select):
+            # ops with a lowering of their own (attention takes a Python context, rope the
+            # tables) never map to a custom op by name; the others do wherever one is registered
+            _lower_op(new, node, name, device, namespace, linear, quantized, prepared, rep)
     if linear == "rows":
-        for node in list(new.graph.nodes):
-            if node.op == "call_function" and node.target in (ops.linear, ops.lm_head):
-                is_linear = node.target is ops.linear
-                if not is_linear and _weights(new, node) > ROWS_MAX_WEIGHTS:
-                    continue  # a large LM head reads faster through cuBLAS (H200: ~2x)
-                retarget(node, linear_rows)
-                rep.linear_rows += 1
-                if is_linear and _norm_into_rows(new, node):
-                    rep.norm_into_rows += 1
+        _rows_linears(new, rep)
     elif linear == "gemv":
         rep.gemv = gemv_rewrites(new)
-    elif linear != "mm":
-        raise ValueError(f"linear must be 'mm', 'rows' or 'gemv', got {linear!r}")
     new.graph.lint()
     new.recompile()
     return new, rep
+
+
+def _head_reads_last(gm: torch.fx.GraphModule) -> None:
+    """The LM head reads only the last position of its input."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is ops.lm_head:
+            with gm.graph.inserting_before(node):
+                last = gm.graph.call_function(operator.getitem,
+                                              (node.args[0], (slice(None), slice(-1, None))))
+            node.args = (last, *node.args[1:])
+
+
+def _lower_rope(gm, node, tables: dict, max_len: int, device, select, namespace: str,
+                rep: LowerReport) -> None:
+    """rope -> rope_table over cos/sin tables (one pair per head_dim / theta / scaling)."""
+    key = (node.kwargs["head_dim"], node.kwargs["theta"], repr(node.kwargs.get("scaling")))
+    if key not in tables:
+        cos, sin = rope_tables(node.kwargs["head_dim"], node.kwargs["theta"],
+                               node.kwargs.get("scaling"), max_len, device)
+        base = f"_rope{len(tables)}"
+        set_weight(gm, base + ".cos", cos)
+        set_weight(gm, base + ".sin", sin)
+        tables[key] = (base + ".cos", base + ".sin")
+    with gm.graph.inserting_before(node):
+        c = gm.graph.get_attr(tables[key][0])
+        s = gm.graph.get_attr(tables[key][1])
+    x, positions = node.args[:2]
+    retarget(node, rope_table)
+    node.args = (x, c, s, positions)
+    node.kwargs = {"head_dim": node.kwargs["head_dim"]}
+    rep.rope += 1
+    # uncompiled steps on a GPU: one kernel per rotation (kernels/pointwise.py) for the
+    # reference's eight aten kernels; compiled steps keep the reference, which Inductor
+    # fuses and the decode steps' fuse_rope folds into the attention
+    op = custom_op(namespace, "rope_table") if select == "eager" and device.type != "cpu" \
+        and node.kwargs["head_dim"] % 2 == 0 else None  # the kernel rotates even halves
+    if op is not None:
+        retarget(node, op)
+        rep.custom["rope_table"] = rep.custom.get("rope_table", 0) + 1
+
+
+def _lower_op(gm, node, name: str, device, namespace: str, linear: str, quantized: bool,
+              prepared: dict, rep: LowerReport) -> None:
+    """One IR op -> its CPU form (aten ops traced into the step) or its custom op."""
+    # linear="gemv" asks for the fused GEMVs, which take linear_int4's stored weights as
+    # they are (their CPU implementation is the reference)
+    # (the CPU forms stand for the project's own custom ops: another namespace gets its ops)
+    form = cpu_forms().get(name) if device.type == "cpu" and namespace == "llmaccel" and not (
+        linear == "gemv" and int4_gemv_weights(node)) else None
+    if name == "lm_head" and device.type == "cpu" and quantized and linear != "gemv":
+        form = (prepare_head_cpu, lm_head_cpu, 1)
+    if form is not None and _to_cpu_form(gm, node, form, rep, prepared):
+        rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
+        return
+    op = custom_op(namespace, name)
+    if op is None:
+        return
+    if not accepts(op, node):
+        rep.rejected[name] = f"schema {op.default._schema} does not take the IR node's arguments"
+        return
+    retarget(node, op)
+    rep.custom[name] = rep.custom.get(name, 0) + 1
+
+
+def _rows_linears(gm, rep: LowerReport) -> None:
+    """linear="rows": linears (and LM heads up to ROWS_MAX_WEIGHTS) -> linear_rows, with the
+    norm before folded in where it can be."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (ops.linear, ops.lm_head):
+            is_linear = node.target is ops.linear
+            if not is_linear and _weights(gm, node) > ROWS_MAX_WEIGHTS:
+                continue  # a large LM head reads faster through cuBLAS (H200: ~2x)
+            retarget(node, linear_rows)
+            rep.linear_rows += 1
+            if is_linear and _norm_into_rows(gm, node):
+                rep.norm_into_rows += 1
 
 
 __all__ = ["lower", "LowerReport", "rope_table", "linear_rows", "linear_rows_rms", "largest_linear",
