@@ -221,17 +221,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     model = compile_model(src, passes_to_run(src, passes, options), options or {}, dtype=dtype,
                           device=device, eval_tokens=0, progress=False)
     load_s = time.perf_counter() - t0
-    if prompt is not None:
-        ids = [model.encode(prompt)] * batch
-        if not ids[0]:
-            raise LlmaccelError("--prompt encodes to no tokens")
-        prompt_len = len(ids[0])
-    else:
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
-    need = prompt_len + gen_len
-    if need > model.config.max_position:
-        raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
+    ids, prompt_len = _prompts(model, prompt, batch, prompt_len, gen_len, seed)
     llm = LLM(model, max_num_seqs=batch, speculative=speculative, num_speculative_tokens=spec_k,
               max_num_batched_tokens=max(2048, min(batch * prompt_len, 16384)),
               cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching,
@@ -271,10 +261,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "ttft_s": prefill_s, "tpot_ms": 1e3 * gen_s / gen_len, "step_ms": step_s and 1e3 * step_s,
         "generate_s": gen_s, "peak_mem_bytes": int(peak), "weight_bytes": w_bytes,
         "kv_bytes_per_step": int(kv_bytes), "bytes_per_step": int(step_bytes), "load_s": load_s,
-        "warmup_s": warm_s, "torch": torch.__version__,
-        "engine_steps": m1["steps"] - m0["steps"], "decode_substeps": m1["decode_steps"] - m0["decode_steps"],
-        "graphs_captured": m1["graphs_captured"], "graph_failures": {str(k): v for k, v in m1["graph_failures"].items()},
-        "spec_accept_rate": m1["spec_accept_rate"] if speculative else None,
+        "warmup_s": warm_s, "torch": torch.__version__, **_engine_counts(m0, m1, speculative),
     }
     if dev.type == "cuda" and profile and gen_len > 16:
         try:
@@ -288,6 +275,31 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         res.update(copy_bw_measured=measured_bw, roofline_tok_s=batch * measured_bw / step_bytes,
                    roofline_frac=(step_bytes / measured_bw) / step_s)
     return res
+
+
+def _prompts(model, prompt: str | None, batch: int, prompt_len: int, gen_len: int,
+             seed: int) -> tuple[list[list[int]], int]:
+    """The batch's prompt ids (`prompt` encoded, or seeded random tokens) and their length."""
+    if prompt is not None:
+        ids = [model.encode(prompt)] * batch
+        if not ids[0]:
+            raise LlmaccelError("--prompt encodes to no tokens")
+        prompt_len = len(ids[0])
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
+    need = prompt_len + gen_len
+    if need > model.config.max_position:
+        raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
+    return ids, prompt_len
+
+
+def _engine_counts(m0: dict, m1: dict, speculative) -> dict:
+    """The engine's counters over the measured run (metrics before and after)."""
+    return {"engine_steps": m1["steps"] - m0["steps"], "decode_substeps": m1["decode_steps"] - m0["decode_steps"],
+            "graphs_captured": m1["graphs_captured"],
+            "graph_failures": {str(k): v for k, v in m1["graph_failures"].items()},
+            "spec_accept_rate": m1["spec_accept_rate"] if speculative else None}
 
 
 def render(res: dict) -> str:
