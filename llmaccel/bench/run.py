@@ -226,22 +226,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
               max_num_batched_tokens=max(2048, min(batch * prompt_len, 16384)),
               cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching,
               tensor_parallel_size=tp)
-    warm_s, _ = _timed(lambda: [llm.generate(ids, sp) for _ in range(warmup)], dev)
-    first = [dataclasses.replace(p, max_tokens=1) for p in sp]
-    prefill_s = min(_timed(lambda: llm.generate(ids, first), dev)[0] for _ in range(2))
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    m0 = llm.metrics()
-    gen_s, outs = _timed(lambda: llm.generate(ids, sp), dev)
-    m1 = llm.metrics()
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    bad = [o for o in outs if len(o.token_ids) != gen_len]
-    if bad:
-        raise LlmaccelError(f"request {bad[0].request_id} ended after {len(bad[0].token_ids)} tokens "
-                            f"({bad[0].finish_reason}: {bad[0].error}); the bench needs {gen_len}")
+    warm_s, prefill_s, gen_s, peak, m0, m1 = _measure(llm, ids, sp, dev, warmup)
     elem = torch.empty((), dtype=model.dtype).element_size()
     w_bytes = weight_bytes_per_step(model.gm)
     kv_bytes = kv_bytes_per_step(model.gm, batch, prompt_len + gen_len / 2, elem)
@@ -275,6 +260,29 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         res.update(copy_bw_measured=measured_bw, roofline_tok_s=batch * measured_bw / step_bytes,
                    roofline_frac=(step_bytes / measured_bw) / step_s)
     return res
+
+
+def _measure(llm, ids, sp, dev, warmup: int) -> tuple:
+    """(warm-up s, prefill s (best of 2), generate s, peak memory, metrics before and after the
+    measured run) of `warmup` + 1 runs of the same requests."""
+    warm_s, _ = _timed(lambda: [llm.generate(ids, sp) for _ in range(warmup)], dev)
+    first = [dataclasses.replace(p, max_tokens=1) for p in sp]
+    prefill_s = min(_timed(lambda: llm.generate(ids, first), dev)[0] for _ in range(2))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    m0 = llm.metrics()
+    gen_s, outs = _timed(lambda: llm.generate(ids, sp), dev)
+    m1 = llm.metrics()
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gen_len = sp[0].max_tokens
+    bad = [o for o in outs if len(o.token_ids) != gen_len]
+    if bad:
+        raise LlmaccelError(f"request {bad[0].request_id} ended after {len(bad[0].token_ids)} tokens "
+                            f"({bad[0].finish_reason}: {bad[0].error}); the bench needs {gen_len}")
+    return warm_s, prefill_s, gen_s, peak, m0, m1
 
 
 def _prompts(model, prompt: str | None, batch: int, prompt_len: int, gen_len: int,
