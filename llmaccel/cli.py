@@ -206,7 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llmc", description="llmaccel: LLM inference compiler and runtime")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _compile_parser(sub)
+    _eval_parser(sub)
+    _generate_parser(sub)
+    _other_parsers(sub)
 
+    from llmaccel.bench.cli import add_parser as add_bench
+    from llmaccel.serve.cli import add_parser as add_serve
+
+    add_bench(sub)
+    add_serve(sub)
+    return ap
+
+
+def _compile_parser(sub) -> None:
     p = sub.add_parser("compile", help="run passes and write an artifact directory")
     _model_args(p)
     p.add_argument("--passes", default="", help="comma-separated pass names, run in order")
@@ -227,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing artifact at -o")
     p.set_defaults(fn=cmd_compile)
 
+
+def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="perplexity, and KL / top-1 against a baseline")
     _model_args(p)
     p.add_argument("--text", default="wikitext2",
@@ -243,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(fn=cmd_eval)
 
+
+def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream a continuation of a prompt")
     _model_args(p)
     p.add_argument("--prompt", required=True)
@@ -266,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
                                           "stop": "--stop"})
 
+
+def _other_parsers(sub) -> None:
+    """export, show, passes."""
     p = sub.add_parser("export", help="write an ONNX folder for ONNX Runtime (GenAI)")
     _model_args(p)
     p.add_argument("--format", default="genai", choices=["genai", "onnx"],
@@ -285,13 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("passes", help="list passes and their options")
     p.add_argument("--all", action="store_true", help="also the lowering rewrites that follow the passes")
     p.set_defaults(fn=cmd_passes)
-
-    from llmaccel.bench.cli import add_parser as add_bench
-    from llmaccel.serve.cli import add_parser as add_serve
-
-    add_bench(sub)
-    add_serve(sub)
-    return ap
 
 
 def _as_flags(msg: str, flags: dict[str, str]) -> str:
