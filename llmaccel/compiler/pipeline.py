@@ -65,19 +65,7 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     passes fit to and distil from and the quality check compares with, read with its tokenizer
     (default: `source` as loaded); e.g. the original model when `source` is an artifact to heal
     further, which would otherwise be its own teacher."""
-    if calib_split not in SPLITS:
-        raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
-    if calib not in ("self", "mixed") and not Path(calib).is_file():
-        raise LlmaccelError(f"no such text file: {calib} (--calib takes a text file, 'mixed' or 'self')")
-    if eval_tokens is not None and (not isinstance(eval_tokens, int) or eval_tokens < 0):
-        raise LlmaccelError(f"eval_tokens must be a count >= 0, got {eval_tokens!r}")
-    names = parse_pass_list(passes)
-    options = options or {}
-    for name in options:
-        if name not in names:
-            get_pass(name)
-            raise LlmaccelError(f"options given for pass {name!r}, which is not in the pass list")
-    configs = [make_config(get_pass(n), options.get(n, {})) for n in names]
+    names, configs = _checked(passes, options or {}, calib, calib_split, eval_tokens)
     model = load(source, dtype=dtype, device=device)
     if not baseline and model.recipe:
         _check_own_teacher(source, names)
@@ -95,6 +83,40 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     report = {"source": source, "dtype": str(model.dtype).removeprefix("torch."),
               "calib": calib, "calib_split": calib_split, "ops_before": model.op_counts(),
               **({"baseline": baseline} if baseline else {}), "passes": []}
+    logits = _run_passes(model, names, configs, ctx, report, sample, verify)
+    report["ops_after"] = model.op_counts()
+    if verify:
+        report["lowering"] = _verify_lowering(model, sample, logits)
+    if eval_tokens is None:
+        eval_tokens = 4096 if reference is not None else 0
+    if eval_tokens:
+        report["quality"] = _held_apart_quality(model, reference or load(source, dtype=dtype, device=device),
+                                                calib, calib_split, eval_tokens, progress)
+    model.report = report
+    return model
+
+
+def _checked(passes, options: dict, calib: str, calib_split: str, eval_tokens) -> tuple[list, list]:
+    """The pass names and their configs, every argument checked before any work."""
+    if calib_split not in SPLITS:
+        raise LlmaccelError(f"unknown calibration split {calib_split!r}; known: {', '.join(SPLITS)}")
+    if calib not in ("self", "mixed") and not Path(calib).is_file():
+        raise LlmaccelError(f"no such text file: {calib} (--calib takes a text file, 'mixed' or 'self')")
+    if eval_tokens is not None and (not isinstance(eval_tokens, int) or eval_tokens < 0):
+        raise LlmaccelError(f"eval_tokens must be a count >= 0, got {eval_tokens!r}")
+    names = parse_pass_list(passes)
+    for name in options:
+        if name not in names:
+            get_pass(name)
+            raise LlmaccelError(f"options given for pass {name!r}, which is not in the pass list")
+    return names, [make_config(get_pass(n), options.get(n, {})) for n in names]
+
+
+def _run_passes(model: Model, names: list[str], configs: list, ctx: PassContext, report: dict,
+                sample: torch.Tensor, verify: bool):
+    """Each pass on model.gm in order, its entry in the recipe and the report; every pass's
+    start() first and close() last, failed or not. Returns the last logits of `sample`
+    (with verify)."""
     logits = model.logits(sample) if verify else None  # of the graph as it stands
     instances = [get_pass(n)(cfg) for n, cfg in zip(names, configs)]
     try:
@@ -102,7 +124,7 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
             p.start(ctx)
         for i, (name, p) in enumerate(zip(names, instances)):
             ctx.trained = any(get_pass(n).trains for n in names[i + 1:])
-            reporter.log(f"pass {name} ...")
+            ctx.progress.log(f"pass {name} ...")
             t0 = time.perf_counter()
             res = p.run(model.gm, ctx)
             res.gm.graph.lint()
@@ -119,16 +141,7 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     finally:
         for p in instances:
             p.close()
-    report["ops_after"] = model.op_counts()
-    if verify:
-        report["lowering"] = _verify_lowering(model, sample, logits)
-    if eval_tokens is None:
-        eval_tokens = 4096 if reference is not None else 0
-    if eval_tokens:
-        report["quality"] = _held_apart_quality(model, reference or load(source, dtype=dtype, device=device),
-                                                calib, calib_split, eval_tokens, progress)
-    model.report = report
-    return model
+    return logits
 
 
 def _check_own_teacher(source: str, names: list[str]) -> None:
