@@ -309,7 +309,6 @@ class Heal(Pass):
         gm.graph.lint()
         gm.recompile()
         after = held_out_quality(gm, teacher, held, batch)
-        curve, every = _curve(losses)
         tokens = len(losses) * batch * seq_len
         domains.measure(gm, len(losses), tokens)
         stats = {
@@ -323,13 +322,7 @@ class Heal(Pass):
             **sampling, **timing,
             "train_tok_s": round(tokens / timing["train_s"], 1),
             "seconds_per_step": round(timing["train_s"] / max(1, len(losses)), 3),
-            "held_out_tokens": held.shape[0] * (held.shape[1] - 1),
-            "source_ppl": round(before["source_ppl"], 4),
-            "ppl_before": round(before["ppl"], 4), "ppl_after": round(after["ppl"], 4),
-            "delta_ppl_pct_before": round(before["delta_ppl_pct"], 3),
-            "delta_ppl_pct_after": round(after["delta_ppl_pct"], 3),
-            "kl_before": round(before["kl"], 5), "kl_after": round(after["kl"], 5),
-            "loss_curve_every": every, "loss_curve": curve,
+            **_quality_stats(held, before, after, losses),
             **domains.stats(),
             **finished,
         }
@@ -401,6 +394,20 @@ class Heal(Pass):
                         "steady_tok_s": round(steady * batch * seq_len / (end - t1), 1)
                         if steady and end > t1 else None,
                         **({"interrupted_at_step": len(losses)} if interrupted.is_set() else {})}
+
+
+def _quality_stats(held: torch.Tensor, before: dict, after: dict, losses: list[float]) -> dict:
+    """The held-out windows' quality before and after, and the loss curve."""
+    curve, every = _curve(losses)
+    return {
+        "held_out_tokens": held.shape[0] * (held.shape[1] - 1),
+        "source_ppl": round(before["source_ppl"], 4),
+        "ppl_before": round(before["ppl"], 4), "ppl_after": round(after["ppl"], 4),
+        "delta_ppl_pct_before": round(before["delta_ppl_pct"], 3),
+        "delta_ppl_pct_after": round(after["delta_ppl_pct"], 3),
+        "kl_before": round(before["kl"], 5), "kl_after": round(after["kl"], 5),
+        "loss_curve_every": every, "loss_curve": curve,
+    }
 
 
 PASS = Heal

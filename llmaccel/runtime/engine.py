@@ -51,30 +51,14 @@ class LLM:
                          gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
                          compile=compile)
         self.ranks = None  # rank 0's workers (tp_ranks.RankGroup)
-        world, rank = tensor_parallel_size, 0
-        if world > 1:
-            from llmaccel.runtime import tp_ranks
-
-            if speculative is not None:
-                raise LlmaccelError("speculative decoding does not run tensor-parallel yet; drop speculative=")
-            if tp_ranks.dist.is_initialized():  # a torchrun launch: this process is one rank
-                if tp_ranks.dist.get_world_size() != world:
-                    raise LlmaccelError(f"tensor_parallel_size={world}, but the process group has "
-                                        f"{tp_ranks.dist.get_world_size()} ranks")
-                rank = tp_ranks.dist.get_rank()
-            device = tp_ranks.rank_device(device, rank)
-        if isinstance(source, Model):
-            if world > 1 and torch.device(source.device).type != torch.device(device).type:
-                raise LlmaccelError(f"tensor_parallel_size={world} runs on {device}, but the model is on "
-                                    f"{source.device}: load or compile it there, or pass its source")
-            self.model = source
-        else:
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            dt = parse_dtype(dtype) if dtype is not None else (
-                torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-            self.model = load(source, dtype=dt, device=device)
+        world = tensor_parallel_size
+        rank, device = _rank_and_device(world, device, speculative)
+        self.model = _model_of(source, world, device, dtype)
+        device = device or str(self.model.device)
         try:
             if world > 1:
+                from llmaccel.runtime import tp_ranks
+
                 tp_ranks.check_world(self.model.config, world, str(self.model.device))
                 if not tp_ranks.dist.is_initialized():  # spawn the other ranks; this one is rank 0
                     self.ranks = tp_ranks.RankGroup(type(self), source, world,
@@ -244,3 +228,34 @@ class LLM:
 
     def metrics(self) -> dict:
         return self.core.metrics()
+
+
+def _rank_and_device(world: int, device, speculative) -> tuple[int, object]:
+    """This process's rank (0 unless a torchrun launch made it another) and its device."""
+    if world == 1:
+        return 0, device
+    from llmaccel.runtime import tp_ranks
+
+    if speculative is not None:
+        raise LlmaccelError("speculative decoding does not run tensor-parallel yet; drop speculative=")
+    rank = 0
+    if tp_ranks.dist.is_initialized():  # a torchrun launch: this process is one rank
+        if tp_ranks.dist.get_world_size() != world:
+            raise LlmaccelError(f"tensor_parallel_size={world}, but the process group has "
+                                f"{tp_ranks.dist.get_world_size()} ranks")
+        rank = tp_ranks.dist.get_rank()
+    return rank, tp_ranks.rank_device(device, rank)
+
+
+def _model_of(source, world: int, device, dtype) -> Model:
+    """`source` itself when it is a Model (on the ranks' device type), else loaded on `device`
+    (CUDA where there is one) in `dtype` (bf16 on CUDA, fp32 on the CPU by default)."""
+    if isinstance(source, Model):
+        if world > 1 and torch.device(source.device).type != torch.device(device).type:
+            raise LlmaccelError(f"tensor_parallel_size={world} runs on {device}, but the model is on "
+                                f"{source.device}: load or compile it there, or pass its source")
+        return source
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dt = parse_dtype(dtype) if dtype is not None else (
+        torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    return load(source, dtype=dt, device=device)
