@@ -92,7 +92,16 @@ class Scheduler:
 
         skip: ids of running sequences left out of this step and never preempted by it (their
         next token is still being computed); they keep their slots and blocks."""
-        budget, batch, too_long = self.max_batched, [], []
+        batch: list[tuple[Sequence, int]] = []
+        too_long: list[Sequence] = []
+        budget = self._step_running(self.max_batched, skip, batch, too_long)
+        self._admit_waiting(budget, batch, too_long)
+        batch.sort(key=lambda sq: sq[1] != 1)
+        return batch, too_long
+
+    def _step_running(self, budget: int, skip: frozenset, batch: list, too_long: list) -> int:
+        """The running sequences' tokens of this step, in order, preempting from the back where
+        the cache is full; returns the token budget left."""
         unit = self.bm.chunk_unit
         i = 0
         while i < len(self.running) and budget > 0:
@@ -129,6 +138,10 @@ class Scheduler:
                 i += 1
                 continue
             break
+        return budget
+
+    def _admit_waiting(self, budget: int, batch: list, too_long: list) -> None:
+        """Waiting sequences admitted in order while their remaining prompt fits now."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.bm.holds(len(seq.token_ids), seq.n_prompt):
@@ -148,5 +161,3 @@ class Scheduler:
             self.running.append(seq)
             batch.append((seq, q))
             budget -= q
-        batch.sort(key=lambda sq: sq[1] != 1)
-        return batch, too_long
