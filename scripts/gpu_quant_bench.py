@@ -80,14 +80,19 @@ def int4_bs1_candidates(N: int, K: int, gs: int, n_sm: int = 132) -> list:
     return out
 
 
+def row_tiles(M: int) -> tuple[int, ...]:
+    """Rows per tile to try: 16 up to 16 rows; for 17-64, one tile of all rows (each code
+    dequantized once), then 32 and 16."""
+    return (16,) if M <= 16 else (min(64, 1 << (M - 1).bit_length()), 32, 16)
+
+
 def int4_candidates(M: int, N: int, K: int = 2048, gs: int = 128) -> list:
     """Tilings to try, the likeliest first (fewest sm_90 instructions per weight byte without
     spills), so that the time budget cuts the least promising."""
     # bf16-only tensor-core kernel with PTX dequantization (fewest instructions per byte in
     # sm_90 SASS: ~7 at BLOCK_N=128, 4 warps); few rows per program need split-K for small N.
     # PREFETCH lost everywhere in run 1: last.
-    # 17-64 rows: one tile of all rows (each code dequantized once), or of 32 / 16 rows
-    bms = (16,) if M <= 16 else (min(64, 1 << (M - 1).bit_length()), 32, 16)
+    bms = row_tiles(M)
     asm = [dict(kernel="dotasm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
                 num_warps=max(nw, bm // 16), num_stages=3, PREFETCH=pf)
            for pf in (False, True) for bm in bms for bn, nw in ((128, 4), (64, 2), (256, 8), (128, 8), (64, 4))
@@ -134,9 +139,8 @@ def int8_candidates(M: int, N: int) -> list:
                             out.append(dict(kernel="gemv", BLOCK_N=bn, BLOCK_W=bw, UNPACK=unpack,
                                             SPLIT_K=1, num_warps=nw))
     if M > 1:
-        bms = (16,) if M <= 16 else (min(64, 1 << (M - 1).bit_length()), 32, 16)
         out = [dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-               for bm in bms for bn in (16, 32, 64) for bk in (128, 64, 256)] + out
+               for bm in row_tiles(M) for bn in (16, 32, 64) for bk in (128, 64, 256)] + out
     return out
 
 

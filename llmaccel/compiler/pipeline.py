@@ -123,7 +123,7 @@ def _run_passes(model: Model, names: list[str], configs: list, ctx: PassContext,
         for p in instances:
             p.start(ctx)
         for i, (name, p) in enumerate(zip(names, instances)):
-            ctx.trained = any(get_pass(n).trains for n in names[i + 1:])
+            ctx.trained = any(q.trains for q in instances[i + 1:])
             ctx.progress.log(f"pass {name} ...")
             t0 = time.perf_counter()
             res = p.run(model.gm, ctx)

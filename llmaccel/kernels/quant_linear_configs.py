@@ -158,7 +158,7 @@ def int8_config(M: int, N: int, K: int, n_sm: int, device: str | None = None) ->
     if M > 2 or K % 4:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         bn = 64 if M > GEMV_MAX_M else 16 if N <= 4096 else 32
-        while bn > 16 and cdiv(N, bn) * cdiv(M, bm) < n_sm:  # decode batches: a tile per SM at least
+        while M <= DECODE_MAX_M and bn > 16 and cdiv(N, bn) * cdiv(M, bm) < n_sm:  # decode: a tile per SM
             bn //= 2
         return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if M <= GEMV_MAX_M else 64,
                     num_warps=4, num_stages=3)

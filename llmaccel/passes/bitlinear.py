@@ -13,9 +13,9 @@ them (o, down; every GPT-2 linear, whose norms are LayerNorms) get plain `bitlin
 is inserted, since that would change what a pretrained model computes.
 
 With `heal` later in the pass list the pass emits the training form (fp latent weights,
-straight-through fake quantization, llmaccel/ops/bitlinear.py) and its training form's finish packs it. Without
-heal the pass builds the same training form and packs it at once, so both paths share one
-packing routine: finishing it on unchanged latent weights gives exactly the non-heal graph.
+straight-through fake quantization, llmaccel/ops/bitlinear.py) and its training form's finish
+packs it. Without heal the pass builds the same training form and packs it at once, so both
+paths share one packing routine: finishing it on unchanged latent weights gives exactly the non-heal graph.
 
 Scale (`bitlinear.scale`): BitNet b1.58 uses one absmean per weight tensor; per output channel is
 the default here. Converting a pretrained model (SmolLM2-135M, no healing, 8192 held-out

@@ -18,8 +18,8 @@ measured figure). With a `heal` after it the pass emits a training form (`relu_g
 shift a 0-dim buffer) and holds that sparsity through the heal: every 2% of training progress
 the shift is solved again on the same tokens, so the heal improves quality at the asked
 sparsity instead of trading sparsity for it (with a fixed shift of 0.25 an H200 heal took relu
-from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); its training form's finish solves it once
-more and writes it back as a float. On a graph ReLUfied before (an artifact healed further)
+from 74.9% to 69.5% and drelu from 88.6% to 82.4%; docs/quality.md); finishing the
+training form solves it once more and writes it back as a float. On a graph ReLUfied before (an artifact healed further)
 `relu.sparsity` solves the shift again and holds it through a heal after it; nothing else moves.
 
 `relu.ramp=R` (with `relu.sparsity` and a heal) raises the sparsity gradually instead (ProSparse's
@@ -329,7 +329,7 @@ class Relu(Pass):
         return out
 
     def _hold(self, gm, acts, ids: torch.Tensor, shift: float, start: float = 0.0) -> None:
-        """The training form: every activation reads one shift buffer that the training form's schedule moves."""
+        """The training form: every activation reads one shift buffer that its schedule moves."""
         # a buffer, not a parameter: the heal trains parameters
         gm.register_buffer(_SHIFT, torch.tensor(float(shift), device=next(gm.parameters()).device))
         with gm.graph.inserting_before(acts[0]):

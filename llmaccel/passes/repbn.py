@@ -14,8 +14,8 @@ When `heal` follows, the pass emits the training form instead: `repbn_blend` =
 lam * Norm(x) + (1 - lam) * BN(x) with lam a 0-dim buffer (never trained) moved by the heal
 schedule lam = max(0, 1 - frac / repbn.ramp): the source model at the first step, pure BN for
 the last (1 - ramp) of the steps. heal trains gamma, beta and the norm weights; the BN statistics
-stay as calibrated (so the trained BN is exactly the BN that is folded). the training form's finish then folds
-the blend exactly as the path without heal does.
+stay as calibrated (so the trained BN is exactly the BN that is folded). Finishing the
+training form then folds the blend exactly as the path without heal does.
 
 A norm read by anything but a linear's input (a quantized linear, a residual) keeps a cheap
 `norm_affine` op; a tied LM head is untied so that it can take the final norm's scale.

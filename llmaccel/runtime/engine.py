@@ -54,7 +54,6 @@ class LLM:
         world = tensor_parallel_size
         rank, device = _rank_and_device(world, device, speculative)
         self.model = _model_of(source, world, device, dtype)
-        device = device or str(self.model.device)
         try:
             if world > 1:
                 from llmaccel.runtime import tp_ranks
