@@ -26,3 +26,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_decode_uncompiled(request, monkeypatch):
+    """LLM compiles its CPU decode step by default (seconds of Inductor a model); tests run it
+    uncompiled unless marked `cpu_compile` (tests/runtime/test_cpu_compile.py), or pass compile=."""
+    if "cpu_compile" not in request.keywords:
+        from llmaccel.runtime import decode
+        monkeypatch.setattr(decode, "cpu_compiler", lambda: "off in tests")

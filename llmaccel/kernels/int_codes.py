@@ -152,16 +152,23 @@ def cpu_act_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def prepare_head_cpu(weight):
-    """(the LM head's weight in cpu_act_dtype,) for lm_head_cpu, converted once at lowering;
-    None where the weight is already in it."""
-    dt = cpu_act_dtype(weight.dtype)
-    return None if dt == weight.dtype else (weight.to(dt),)
+    """(int8 codes (N, K), per-row scales in cpu_act_dtype) of the LM head for lm_head_cpu,
+    converted once at lowering: symmetric, one scale per vocabulary row (absmax / 127)."""
+    w = weight.float()
+    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale.to(cpu_act_dtype(weight.dtype))
 
 
-def lm_head_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head of a weight-quantized fp32 graph on the CPU, in bf16 as its linears' x is
-    (cpu_act_dtype): SmolLM2's 49,152 x 576 head took 10.3 ms in fp32 against 5.6 in bf16 on 2
-    AVX-512 cores, a third of a W4 decode step; bf16 logits are what the GPU's bf16 W4 models
-    sample from."""
-    b = None if bias is None else bias.to(weight.dtype)
-    return torch.nn.functional.linear(x.to(weight.dtype), weight, b).to(x.dtype)
+def lm_head_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head of a weight-quantized graph on the CPU, in int8 codes read by aten's
+    weight-only GEMM with x in cpu_act_dtype (llama.cpp's Q4 files keep the head in Q8_0 too).
+    SmolLM2's 49,152 x 576 head on 2 AVX-512 cores at one row: fp32 10.2 ms, bf16 4.4-5.1,
+    int8 2.2 (docs/performance.md, CPU), the largest single read of a W4 decode step."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(scale.dtype).contiguous()
+    out = torch.ops.aten._weight_int8pack_mm(x2, codes, scale)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.reshape(*shape[:-1], codes.shape[0]).to(x.dtype)

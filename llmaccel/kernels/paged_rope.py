@@ -63,6 +63,27 @@ def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
     return paged_decode_ref(q, k_cache, v_cache, block_tables, (pos + 1).to(torch.int32), scale)
 
 
+def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float):
+    """The op's values without a host read: every row attends over its whole table (B, W), the
+    slots past pos masked. What a compiled CPU decode step traces (Inductor fuses the rotation,
+    the gather and the mask; the width is the shape's, at most twice the longest context)."""
+    q, k, v = split_fused(q, k, v, k_cache.shape[2])
+    nq = q.shape[1]
+    qk = rope_rows(torch.cat((q, k), 1), cos, sin, pos)
+    q, k = qk[:, :nq], qk[:, nq:]
+    B, W = block_tables.shape
+    BS, Hkv, D = k_cache.shape[1:]
+    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS))
+    bt = block_tables.long()
+    kb = k_cache[bt].reshape(B, W * BS, Hkv, D).transpose(1, 2).to(q.dtype)   # (B, Hkv, L, D)
+    vb = v_cache[bt].reshape(B, W * BS, Hkv, D).transpose(1, 2).to(q.dtype)
+    mask = torch.arange(W * BS, device=q.device)[None, :] <= pos[:, None]
+    H = q.shape[1]
+    o = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), kb, vb, attn_mask=mask[:, None, None, :],
+                                       scale=scale)
+    return o.reshape(B, H, D)
+
+
 # Rows up to which the CPU form attends row by row over each row's own context (a batch pads
 # every row to the longest context instead; the reference then does it).
 CPU_ROWS = 8
@@ -298,6 +319,11 @@ if not registered("paged_rope_decode_attention"):
     def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
         B, H, D = split_fused(q, k, v, k_cache.shape[2])[0].shape
         return q.new_empty((B, H, D))
+
+    # a compiled CPU decode step calls the op (Dynamo does not trace into it): the plain form
+    @paged_rope_decode_attention.register_kernel("cpu")
+    def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
+        return paged_rope_decode_cpu(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
 
     if triton is not None:
         @paged_rope_decode_attention.register_kernel("cuda")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmaccel.kernels.paged_rope import paged_rope_decode_cpu, slots_of  # also registers llmaccel::paged_rope_decode_attention
+from llmaccel.kernels.paged_rope import paged_rope_decode_cpu, paged_rope_decode_masked, slots_of  # also registers llmaccel::paged_rope_decode_attention
 from llmaccel.codegen.kernel_ops import load_kernel_modules
 from llmaccel.codegen.lower import lower
 from llmaccel.codegen.rope import fuse_rope
@@ -48,6 +48,17 @@ from llmaccel.runtime.step_graphs import MIN_WIDTH, cuda_graph, pow2_at_least
 from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
 
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
+
+
+@functools.cache
+def cpu_compiler() -> str | None:
+    """None where Inductor finds a C++ compiler to build CPU kernels with; else why not."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - no compiler, or an Inductor without the helper
+        return f"no C++ compiler for Inductor ({type(e).__name__}: {e})"[:200]
+    return None
 
 
 def batch_buckets(max_seqs: int) -> list[int]:
@@ -75,8 +86,9 @@ class DecodeContext(StepContext):
                         v.reshape(B, n_kv_heads, head_dim))
             # eager CPU steps: the plain function (the custom op's dispatch costs more than the
             # attention there); compiled steps keep the op, which Dynamo does not trace into
-            fn = paged_rope_decode_cpu if q.device.type == "cpu" and not torch.compiler.is_compiling() \
-                else torch.ops.llmaccel.paged_rope_decode_attention
+            fn = torch.ops.llmaccel.paged_rope_decode_attention
+            if q.device.type == "cpu":
+                fn = paged_rope_decode_masked if torch.compiler.is_compiling() else paged_rope_decode_cpu
             out = fn(*args, self.cache.k[layer], self.cache.v[layer], self.pos, self.tables, *rope[:2],
                      scale=scale)
             return out.reshape(1, B, n_heads * head_dim)
@@ -189,7 +201,11 @@ class DecodeRunner:
         self.scratch = cache.num_blocks - 1 if scratch is None else scratch
         self.device = cache.device
         cuda = self.device.type == "cuda"
-        self.compile = cuda if compile is None else compile
+        # Inductor on CUDA, and on a CPU whose C++ compiler it finds (the eager CPU step spends
+        # ~half its time dispatching small ops: docs/performance.md, CPU)
+        why = cpu_compiler() if compile is None and not cuda else None
+        self.compile = (why is None) if compile is None else compile
+        self.eager_why = None if self.compile else why or "compile off"  # for metrics()
         # one row on CUDA: the fused Triton GEMVs, when their kernel module loads
         self.gemv = cuda and load_kernel_modules().get("gemv") == "ok"
         self.lowered: dict[str, torch.fx.GraphModule] = {}
@@ -264,11 +280,11 @@ class DecodeRunner:
             if B > 1:
                 for t in (buf.ids, buf.pos, buf.tables):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        hit = (None, buf, fn)
+        hit, err = (None, buf, fn), None
         if self.capture:
             # the compiled sub-step captured; failing that the uncompiled one (a graph still saves
             # the launches); failing both it runs eagerly, uncompiled. The first failure is reported.
-            forms, err = [fn] + ([self._fn(B, mode, compiled=False)] if self.compile else []), None
+            forms = [fn] + ([self._fn(B, mode, compiled=False)] if self.compile else [])
             for f in forms:
                 try:
                     hit = (cuda_graph(lambda: f(buf), self.pool, self.device, reset=buf.i.zero_), buf, f)
@@ -278,11 +294,18 @@ class DecodeRunner:
                     err = err or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             else:
                 hit = (None, buf, self._fn(B, mode, compiled=False))
-            if err is not None:
-                how = "run eagerly" if hit[0] is None else "captured uncompiled"
-                self.failures[key] = (err if hit[0] is None else f"{how}: {err}")[:300]
-                warnings.warn(f"decode steps of {B} rows ({mode}) {how}: compiling or capturing "
-                              f"them failed ({err[:300]})")
+        elif self.compile:  # compiled on the CPU: tried now, on the scratch block, as a capture is
+            try:
+                fn(buf)
+            except Exception as e:  # noqa: BLE001 - compile
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                hit = (None, buf, self._fn(B, mode, compiled=False))
+            buf.i.zero_()
+        if err is not None:
+            how = "run eagerly" if hit[0] is None else "captured uncompiled"
+            self.failures[key] = (err if hit[0] is None else f"{how}: {err}")[:300]
+            warnings.warn(f"decode steps of {B} rows ({mode}) {how}: compiling or capturing "
+                          f"them failed ({err[:300]})")
         self.graphs[key] = hit
         self.capture_s += time.perf_counter() - t0
         return hit

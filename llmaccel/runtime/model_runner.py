@@ -110,7 +110,19 @@ class ModelRunner:
             graph_capture_s=sum(r.capture_s for r in runners),
             graph_failures={k: v for r in runners for k, v in r.failures.items()},
             step_graph_replays=self.steps.replays if self.steps is not None else 0,
-            sampler=self.sampler)
+            sampler=self.sampler, decode_compiled=self.decode_compiled,
+            threads=torch.get_num_threads() if not str(self.device).startswith("cuda") else None)
+
+    @property
+    def decode_compiled(self) -> str:
+        """How the decode sub-steps run: "inductor", or "eager" and why."""
+        d = self.decode
+        if d is None:
+            return "eager (the cache backend steps on the engine's graph)"
+        if not d.compile:
+            return f"eager ({d.eager_why})"
+        failed = [k for k, v in d.failures.items() if not v.startswith("captured uncompiled")]
+        return f"inductor ({len(failed)} shapes eager: {d.failures[failed[0]]})" if failed else "inductor"
 
 
 __all__ = ["ModelRunner", "lp_pairs"]

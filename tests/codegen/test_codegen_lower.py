@@ -65,10 +65,11 @@ def test_select_limits_lowering_and_traces_whole():
     assert lower(m.gm, max_len=32, select="none", namespace=NS)[1].custom == {}
 
 
-def test_a_weight_quantized_graph_runs_its_cpu_lm_head_in_bf16_and_a_plain_one_in_fp32():
-    """On the CPU the linears of a W4/W8 graph take x in bf16 (int_codes.cpu_act_dtype), and so
-    does its LM head (lm_head_cpu, its weight converted once); the logits stay within bf16
-    rounding of the unlowered graph's. An unquantized fp32 graph keeps the reference's head."""
+def test_a_weight_quantized_graph_runs_its_cpu_lm_head_in_int8_and_a_plain_one_in_fp32():
+    """On the CPU the linears of a W4/W8 graph take x in bf16 (int_codes.cpu_act_dtype), and its
+    LM head reads int8 codes with one scale per row (lm_head_cpu, converted once); the logits
+    stay within those roundings of the unlowered graph's. An unquantized fp32 graph keeps the
+    reference's head."""
     from llmaccel.ir import weight_of
     from llmaccel.kernels.int_codes import lm_head_cpu
 
@@ -79,11 +80,13 @@ def test_a_weight_quantized_graph_runs_its_cpu_lm_head_in_bf16_and_a_plain_one_i
         low, rep = lower(m.gm, max_len=64, select="eager")
         heads = [n for n in low.graph.nodes if n.target is lm_head_cpu]
         assert len(heads) == 1 and not any(n.target is ops.lm_head for n in low.graph.nodes)
-        assert weight_of(low, heads[0].args[1]).dtype == torch.bfloat16
+        codes, scale = weight_of(low, heads[0].args[1]), weight_of(low, heads[0].args[2])
+        assert codes.dtype == torch.int8 and scale.dtype == torch.bfloat16
         want = executor.forward(m.gm, ids)
         got = executor.forward(low, ids)
         assert got.dtype == torch.float32
-        # the linears' bf16 x and the head's bf16 weight, x and logits: a few bf16 roundings
+        # the linears' bf16 x, the head's int8 codes (half a step of absmax / 127 a weight) and
+        # its bf16 scales, x and logits: a few bf16 roundings
         assert (got - want).abs().max() <= 2 ** -5 * want.abs().max(), bits
     plain = load("preset:tiny-llama")
     low, _ = lower(plain.gm, max_len=64, select="eager")

@@ -63,17 +63,19 @@ def test_reference_is_rope_then_write_then_paged_attention():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, pr.CPU_ROWS + 1])
 @pytest.mark.parametrize("tables", ["shuffled", "in-order"])
-def test_cpu_form_matches_reference(rows, dtype, fused, tables):
+@pytest.mark.parametrize("form", ["cpu", "masked"])
+def test_cpu_form_matches_reference(rows, dtype, fused, tables, form):
     """The eager CPU form (row by row over each row's own context, a view of the cache where a
-    row's blocks are in order, else gathered; the reference past CPU_ROWS) against the
-    reference, fresh random positions, the same cache writes."""
+    row's blocks are in order, else gathered; the reference past CPU_ROWS) and the compiled
+    step's masked form (every row over its whole table) against the reference, fresh random
+    positions, the same cache writes."""
     pos = torch.randint(0, 23, (rows,)).tolist()
     c = make_case(pos, H=6, Hkv=2, D=16, bs=4, width=6, dtype=dtype, fused=fused,
                   seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     if tables == "in-order":  # row b's blocks b*6 .. b*6 + 5, as a lone request's are
         c["bt"] = torch.arange(rows * 6, dtype=torch.int32).view(rows, 6)
     want, kc_w, vc_w = run(pr.paged_rope_decode_ref, c, fused)
-    out, kc, vc = run(pr.paged_rope_decode_cpu, c, fused)
+    out, kc, vc = run(pr.paged_rope_decode_cpu if form == "cpu" else pr.paged_rope_decode_masked, c, fused)
     torch.testing.assert_close(out, want, rtol=TOL[dtype], atol=TOL[dtype])
     assert torch.equal(kc, kc_w) and torch.equal(vc, vc_w)
 
