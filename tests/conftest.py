@@ -29,9 +29,11 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _cpu_decode_uncompiled(request, monkeypatch):
-    """LLM compiles its CPU decode step by default (seconds of Inductor a model); tests run it
-    uncompiled unless marked `cpu_compile` (tests/runtime/test_cpu_compile.py), or pass compile=."""
-    if "cpu_compile" not in request.keywords:
+def _cpu_exact_and_uncompiled(request, monkeypatch):
+    """On the CPU, LLM compiles its decode step by default (seconds of Inductor a model) and runs
+    an fp32 graph's linears in bf16 where the CPU has bf16 dot products: tests run the exact fp32
+    path, uncompiled, unless marked `cpu_fast` (tests/runtime/test_cpu_fast.py) or passing compile=."""
+    if "cpu_fast" not in request.keywords:
         from llmaccel.runtime import decode
         monkeypatch.setattr(decode, "cpu_compiler", lambda: "off in tests")
+        monkeypatch.setenv("LLMACCEL_CPU_BF16", "0")

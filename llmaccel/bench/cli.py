@@ -13,9 +13,11 @@ def _bool_or_auto(v: str) -> bool | None:
 def cmd_bench(a) -> None:
     from llmaccel.bench.run import bench, render
     from llmaccel.compiler.sources import check_draft
+    from llmaccel.bench.llama_cpp_peer import parse_peer
     from llmaccel.passes.base import parse_sets
 
     check_draft(a.speculative)
+    peer = parse_peer(a.peer)
     if a.tp < 1:
         raise LlmaccelError(f"--tp must be >= 1, got {a.tp}")
     res = bench(a.src, batch=a.batch, prompt_len=a.prompt_len, gen_len=a.gen_len, dtype=a.dtype,
@@ -23,7 +25,7 @@ def cmd_bench(a) -> None:
                 top_p=a.top_p, top_k=a.top_k, warmup=a.warmup, measure_bw=not a.no_bw,
                 profile=not a.no_profile, speculative=a.speculative, spec_k=a.spec_k, prompt=a.prompt,
                 cuda_graphs=a.cuda_graphs == "on", compile=_bool_or_auto(a.compile),
-                prefix_caching=a.prefix_caching, tp=a.tp)
+                prefix_caching=a.prefix_caching, tp=a.tp, peer=peer)
     print(render(res))
     if a.json:
         print(json.dumps(res))
@@ -46,7 +48,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="PASS.KEY=VALUE")
     p.add_argument("--cuda-graphs", default="on", choices=["on", "off"], help="decode steps as CUDA graphs")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="Inductor on the decode step (auto: on CUDA)")
+                   help="Inductor on the decode step (auto: on CUDA, and on a CPU where Inductor "
+                        "finds a C++ compiler)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep prefix caching on: the measured run then finds its prompts (those "
@@ -55,6 +58,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (LLM(tensor_parallel_size=N))")
     p.add_argument("--prompt", default=None, help="prompt text instead of --prompt-len random tokens")
+    p.add_argument("--peer", default=None, metavar="llama.cpp[:TYPE|:FILE.gguf]",
+                   help="run llama.cpp (llama-cpp-python) on a GGUF of the model after LLM, same "
+                        "prompts and threads: the built-in model's Q4_1 file, that file made into "
+                        "TYPE (Q8_0, F16, ...) once, or a file")
     p.add_argument("--no-bw", action="store_true", help="skip measuring the copy bandwidth")
     p.add_argument("--no-profile", action="store_true", help="skip the per-step kernel profile (CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")

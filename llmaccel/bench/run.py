@@ -197,7 +197,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
           top_p: float = 1.0, top_k: int = 0, warmup: int = 2, measure_bw: bool = True,
           seed: int = 0, speculative: str | None = None, spec_k: int = 4, prompt: str | None = None,
           cuda_graphs: bool = True, compile: bool | None = None, profile: bool = True,
-          prefix_caching: bool = False, tp: int = 1) -> dict:
+          prefix_caching: bool = False, tp: int = 1, peer: tuple[str, str | None] | None = None) -> dict:
     """`batch` requests of prompt_len tokens, all added at once to `LLM`, each generating
     exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs. Prefix
     caching is off unless asked for: every run repeats the same prompts, which it would
@@ -213,6 +213,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
             raise LlmaccelError(f"{flag} must be >= {least}, got {value}")
     device = resolve_device(device)
     dev = torch.device(device)
+    peer_file = _peer_file(src, peer)  # before minutes of compiling: a missing extra fails now
     if dtype == "auto":
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
     sp = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=gen_len,
@@ -255,11 +256,25 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
             res["profile_error"] = f"{type(e).__name__}: {e}"[:200]
     llm.close()
     res["tensor_parallel_size"] = tp
+    if peer_file is not None:
+        from llmaccel.bench.llama_cpp_peer import run_llama_cpp
+        res["peer"] = run_llama_cpp(peer_file, ids, gen_len)
+        res["x_peer"] = res["decode_tok_s"] / res["peer"]["decode_tok_s"]
     measured_bw = copy_bandwidth(dev) if measure_bw else None
     if measured_bw and step_s and tp == 1:  # a rank's bytes are not the whole model's
         res.update(copy_bw_measured=measured_bw, roofline_tok_s=batch * measured_bw / step_bytes,
                    roofline_frac=(step_bytes / measured_bw) / step_s)
     return res
+
+
+def _peer_file(src: str, peer) -> Path | None:
+    """The GGUF the llama.cpp peer runs (made now if a type is asked for), its package checked."""
+    if peer is None:
+        return None
+    from llmaccel.bench.llama_cpp_peer import peer_gguf
+    from llmaccel.errors import require_extra
+    require_extra("llama_cpp", "llamacpp", "--peer llama.cpp")
+    return peer_gguf(src, peer[1])
 
 
 def _measure(llm, ids, sp, dev, warmup: int) -> tuple:
@@ -307,7 +322,9 @@ def _engine_counts(m0: dict, m1: dict, speculative) -> dict:
     return {"engine_steps": m1["steps"] - m0["steps"], "decode_substeps": m1["decode_steps"] - m0["decode_steps"],
             "graphs_captured": m1["graphs_captured"],
             "graph_failures": {str(k): v for k, v in m1["graph_failures"].items()},
-            "spec_accept_rate": m1["spec_accept_rate"] if speculative else None}
+            "spec_accept_rate": m1["spec_accept_rate"] if speculative else None,
+            "decode_compiled": m1["decode_compiled"], "threads": m1["threads"],
+            "cpu_bf16_linears": m1["cpu_bf16_linears"]}
 
 
 def render(res: dict) -> str:
@@ -327,6 +344,13 @@ def render(res: dict) -> str:
     if "roofline_tok_s" in res:
         lines.append(f"  roofline {res['roofline_tok_s']:10.1f} tok/s at {res['copy_bw_measured'] / 1e12:.2f} TB/s "
                      f"(measured copy); decode phase at {100 * res['roofline_frac']:.1f}% of it")
+    if res.get("threads"):
+        lines.append(f"  cpu      {res['threads']:10d} threads, decode step {res['decode_compiled']}, "
+                     f"{res['cpu_bf16_linears']} linears in bf16")
+    if "peer" in res:
+        p = res["peer"]
+        lines.append(f"  peer     {p['decode_tok_s']:10.1f} tok/s  llama.cpp on {Path(p['gguf']).name} "
+                     f"(time to first token {1e3 * p['ttft_s']:.1f} ms): LLM at {res['x_peer']:.2f}x")
     if res["speculative"]:
         lines.append(f"  speculative acceptance {100 * (res['spec_accept_rate'] or 0):.1f}%")
     if "kernels_per_step" in res:

@@ -28,7 +28,8 @@ from llmaccel.ops.rope import rope_inv_freq, rope_table
 from llmaccel.ops.table import OPS, spec_of
 from llmaccel.codegen.kernel_ops import accepts, custom_op, load_kernel_modules, retarget
 from llmaccel.codegen.gemv_rewrites import gemv_rewrites, int4_gemv_weights
-from llmaccel.kernels.int_codes import lm_head_cpu, prepare_head_cpu
+from llmaccel.kernels.int_codes import (linear_bf16_cpu, lm_head_cpu, prepare_bf16_cpu,
+                                        prepare_head_cpu)
 
 def ir_op_name(node: torch.fx.Node) -> str | None:
     spec = spec_of(node.target) if node.op == "call_function" else None
@@ -317,6 +318,9 @@ def _lower_op(gm, node, name: str, device, namespace: str, linear: str, quantize
         linear == "gemv" and int4_gemv_weights(node)) else None
     if name == "lm_head" and device.type == "cpu" and quantized and linear != "gemv":
         form = (prepare_head_cpu, lm_head_cpu, 1)
+    elif name in ("linear", "lm_head") and device.type == "cpu" and namespace == "llmaccel" \
+            and linear != "gemv":
+        form = (prepare_bf16_cpu, linear_bf16_cpu, 1)
     if form is not None and _to_cpu_form(gm, node, form, rep, prepared):
         rep.cpu_traced[name] = rep.cpu_traced.get(name, 0) + 1
         return

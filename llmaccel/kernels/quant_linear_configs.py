@@ -75,6 +75,18 @@ H100[('int4', 128256, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOC
 H100[('int8', 128256, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
 H100[('int4', 2048, 2048, 128, 4)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
 H100[('int8', 2048, 2048, 0, 4)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 16, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}
+# batch 64: scripts/gpu_quant_bench.py --batches 64 --budget 150 (docs/results/h100-2026-12-07-quant-bench-b64.json)
+H100[('int4', 16384, 2048, 128, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H100[('int8', 16384, 2048, 0, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 3072, 2048, 128, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 32, 'BLOCK_G': 2, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H100[('int8', 3072, 2048, 0, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 16, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 2048, 8192, 128, 64)] = {'kernel': 'dotasm', 'BLOCK_M': 16, 'BLOCK_N': 64, 'BLOCK_G': 1, 'SPLIT_K': 8, 'num_warps': 2, 'num_stages': 3, 'PREFETCH': False, 'XPERM': True}
+H100[('int8', 2048, 8192, 0, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 16, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 128256, 2048, 128, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 128, 'BLOCK_G': 1, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H100[('int8', 128256, 2048, 0, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3}
+H100[('int4', 2048, 2048, 128, 64)] = {'kernel': 'dot', 'BLOCK_M': 64, 'BLOCK_N': 16, 'BLOCK_G': 2, 'SPLIT_K': 1, 'num_warps': 4, 'num_stages': 3}
+H100[('int8', 2048, 2048, 0, 64)] = {'kernel': 'dot', 'BLOCK_M': 16, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}
+
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -114,25 +126,22 @@ def int4_config(M: int, N: int, K: int, group_size: int, n_sm: int, asm: bool = 
     if hit is not None and (asm or hit["kernel"] != "dotasm"):
         return dict(hit)
     G = cdiv(K, group_size)
-    if asm and M <= DECODE_MAX_M and (M > 1 or N >= 32768):
-        # one tile of up to 64 rows dequantizes each code once for all of them; split-K keeps
-        # every SM reading when the row tiles alone are fewer than the SMs
-        bm = 16 if M <= 16 else min(64, _pow2(M))
+    if asm and M <= GEMV_MAX_M and (M > 1 or N >= 32768):
         bn, warps = (64, 2) if N <= 4096 else (128, 4)
-        warps = max(warps, bm // 16)
-        split = _split_for(cdiv(N, bn) * cdiv(M, bm), G, n_sm)
-        return dict(kernel="dotasm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
+        split = _split_for(cdiv(N, bn), G, n_sm)
+        return dict(kernel="dotasm", BLOCK_M=16, BLOCK_N=bn, BLOCK_G=1, SPLIT_K=split,
                     num_warps=warps, num_stages=3)
     if M > GEMV_MAX_M:
-        # prefill: tensor-core tiles of 128 rows (each weight tile dequantized once per 128 rows),
-        # 8 warps; the best of 14 tilings on the H200 at 128 and 1,024 rows of llama-1b's shapes
-        # (docs/results/h200-2026-12-03-int4-prefill.json). A decode batch of 17-64 rows has too
-        # few tiles for the SMs (llama-1b's o: 32): split-K fills them.
+        # prefill, and decode batches of 17-64 rows until a sweep fills TUNED's 64-row bucket:
+        # tensor-core tiles of 128 rows (each weight tile dequantized once per 128 rows), 8 warps;
+        # the best of 14 tilings on the H200 at 128 and 1,024 rows of llama-1b's shapes
+        # (docs/results/h200-2026-12-03-int4-prefill.json). At 64 requests on the H100, 64-row
+        # dotasm tiles with split-K to fill the SMs decoded at half the speed of these
+        # (docs/results/h100-2026-12-07-llm-b64-tiles.jsonl).
         bm = 32 if M <= 32 else 64 if M <= 64 else 128
-        bn, bg = 128 if N >= 8192 else 64, max(1, 64 // group_size)
-        split = _split_for(cdiv(N, bn) * cdiv(M, bm), cdiv(G, bg), n_sm) if M <= DECODE_MAX_M else 1
-        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_G=bg, SPLIT_K=split,
-                    num_warps=8 if bm == 128 else 4, num_stages=3)
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=128 if N >= 8192 else 64,
+                    BLOCK_G=max(1, 64 // group_size), SPLIT_K=1, num_warps=8 if bm == 128 else 4,
+                    num_stages=3)
     if M > 1:
         # The GEMV's per-row reductions cost more than the weight bytes from 2 rows on; tl.dot
         # with M padded to 16 dequantizes each code once whatever M is.

@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from llmaccel.codegen.lower import lower
+from llmaccel.kernels.int_codes import linear_bf16_cpu
 from llmaccel.runtime.cache_backend import CacheBackend
 from llmaccel.runtime.decode import DecodeRunner
 from llmaccel.runtime.graph import runtime_graph
@@ -111,6 +112,7 @@ class ModelRunner:
             graph_failures={k: v for r in runners for k, v in r.failures.items()},
             step_graph_replays=self.steps.replays if self.steps is not None else 0,
             sampler=self.sampler, decode_compiled=self.decode_compiled,
+            cpu_bf16_linears=sum(n.target is linear_bf16_cpu for n in self.gm.graph.nodes),
             threads=torch.get_num_threads() if not str(self.device).startswith("cuda") else None)
 
     @property

@@ -135,16 +135,16 @@ def test_prefill_rows_take_prefill_tiles_not_the_decode_sweeps():
             ql_mod.TUNED["NVIDIA H200"][("int4", N, K, 128, 16)]
 
 
-def test_decode_batches_of_17_to_64_rows_fill_the_sms():
-    # llama-1b's o at 64 rows in 64-row x 64-column tiles is 32 programs on 132 SMs: split-K
-    # (or narrower int8 tiles) makes at least one program per SM
+def test_decode_batches_of_17_to_64_rows_take_the_measured_tiles():
+    # int4: the prefill's tensor-core tiles, asm or not (64-row dotasm tiles with split-K decoded
+    # at half their speed at 64 requests on the H100); int8: N tiles narrowed until the tiles
+    # cover the SMs (llama-1b's o at 64 rows: 32 programs of 64 x 64 on 132 SMs before)
     for K, N in GPU_SHAPES:
         for M in (17, 48, 64):
             for asm in (True, False):
                 c = ql_mod.int4_config(M, N, K, 128, 132, asm=asm)
-                assert c["kernel"] == ("dotasm" if asm else "dot") and c["BLOCK_M"] >= 32
-                programs = -(-N // c["BLOCK_N"]) * -(-M // c["BLOCK_M"]) * c["SPLIT_K"]
-                assert programs >= 132 or c["SPLIT_K"] * c["BLOCK_G"] >= -(-K // 128) // 2, (M, N, K, c)
+                assert c["kernel"] == "dot" and c["BLOCK_M"] == (32 if M <= 32 else 64), (M, N, K, c)
+                assert c.get("SPLIT_K", 1) == 1
             c8 = ql_mod.int8_config(M, N, K, 132)
             assert -(-N // c8["BLOCK_N"]) * -(-M // c8["BLOCK_M"]) >= 128 or c8["BLOCK_N"] == 16, (M, N, K, c8)
 
@@ -276,6 +276,8 @@ def test_int4_cuda(M, K, N):
                                  SERIAL=True) for u in (1, 2) for s in (2, 4)])
 @pytest.mark.parametrize("M,K", [(1, 2048), (3, 2048), (2, 200), (40, 2048)])
 def test_int4_variants_cuda(cfg, M, K):
+    if M > 16 and cfg["kernel"] == "gemv":
+        pytest.skip("the GEMV kernel takes at most 16 rows")
     N = 2048   # K = 200: the last group of 128 zero-padded
     qw, sc, zr = int4_weights(N, K, 128, torch.bfloat16, "cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
