@@ -207,10 +207,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     from llmaccel.runtime.engine import LLM
     from llmaccel.sampling import SamplingParams
 
-    for flag, value, least in (("--batch", batch, 1), ("--prompt-len", prompt_len, 1),
-                               ("--gen-len", gen_len, 1), ("--warmup", warmup, 0), ("--spec-k", spec_k, 1)):
-        if value < least:
-            raise LlmaccelError(f"{flag} must be >= {least}, got {value}")
+    _check_counts(batch=batch, prompt_len=prompt_len, gen_len=gen_len, warmup=warmup, spec_k=spec_k)
     device = resolve_device(device)
     dev = torch.device(device)
     peer_file = _peer_file(src, peer)  # before minutes of compiling: a missing extra fails now
@@ -228,12 +225,34 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
               cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching,
               tensor_parallel_size=tp)
     warm_s, prefill_s, gen_s, peak, m0, m1 = _measure(llm, ids, sp, dev, warmup)
+    res = _figures(src, model, dev, batch, prompt_len, gen_len, (temperature, top_p, top_k), speculative,
+                   prefix_caching, (load_s, warm_s, prefill_s, gen_s), peak, _engine_counts(m0, m1, speculative))
+    step_s, step_bytes = res["step_ms"] and res["step_ms"] / 1e3, res["bytes_per_step"]
+    if dev.type == "cuda" and profile and gen_len > 16:
+        try:
+            res.update(profile_decode(llm, ids, sp))
+        except Exception as e:  # the profile is extra information; the figures above stand
+            res["profile_error"] = f"{type(e).__name__}: {e}"[:200]
+    llm.close()
+    res["tensor_parallel_size"] = tp
+    _run_peer(res, peer_file, ids, gen_len)
+    measured_bw = copy_bandwidth(dev) if measure_bw else None
+    if measured_bw and step_s and tp == 1:  # a rank's bytes are not the whole model's
+        res.update(copy_bw_measured=measured_bw, roofline_tok_s=batch * measured_bw / step_bytes,
+                   roofline_frac=(step_bytes / measured_bw) / step_s)
+    return res
+
+
+def _figures(src, model, dev, batch, prompt_len, gen_len, sampling, speculative, prefix_caching,
+             times, peak, counts) -> dict:
+    """The result of a measured run: times = (load, warm-up, prefill, generate) seconds."""
+    load_s, warm_s, prefill_s, gen_s = times
+    temperature, top_p, top_k = sampling
     elem = torch.empty((), dtype=model.dtype).element_size()
     w_bytes = weight_bytes_per_step(model.gm)
     kv_bytes = kv_bytes_per_step(model.gm, batch, prompt_len + gen_len / 2, elem)
-    step_bytes = w_bytes + kv_bytes
     step_s = (gen_s - prefill_s) / (gen_len - 1) if gen_len > 1 else None
-    res = {
+    return {
         "tool": "llmc", "engine": "LLM", "src": src, "batch": batch, "prompt": prompt_len, "gen": gen_len,
         "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(dev),
@@ -246,25 +265,24 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         "prefill_tok_s": batch * prompt_len / prefill_s,
         "ttft_s": prefill_s, "tpot_ms": 1e3 * gen_s / gen_len, "step_ms": step_s and 1e3 * step_s,
         "generate_s": gen_s, "peak_mem_bytes": int(peak), "weight_bytes": w_bytes,
-        "kv_bytes_per_step": int(kv_bytes), "bytes_per_step": int(step_bytes), "load_s": load_s,
-        "warmup_s": warm_s, "torch": torch.__version__, **_engine_counts(m0, m1, speculative),
+        "kv_bytes_per_step": int(kv_bytes), "bytes_per_step": int(w_bytes + kv_bytes), "load_s": load_s,
+        "warmup_s": warm_s, "torch": torch.__version__, **counts,
     }
-    if dev.type == "cuda" and profile and gen_len > 16:
-        try:
-            res.update(profile_decode(llm, ids, sp))
-        except Exception as e:  # the profile is extra information; the figures above stand
-            res["profile_error"] = f"{type(e).__name__}: {e}"[:200]
-    llm.close()
-    res["tensor_parallel_size"] = tp
+
+
+def _check_counts(**counts) -> None:
+    least = {"warmup": 0}
+    for name, value in counts.items():
+        if value < least.get(name, 1):
+            raise LlmaccelError(f"--{name.replace('_', '-')} must be >= {least.get(name, 1)}, got {value}")
+
+
+def _run_peer(res: dict, peer_file: Path | None, ids, gen_len: int) -> None:
+    """The llama.cpp peer's figures on the same prompts, after LLM has closed, and LLM's ratio."""
     if peer_file is not None:
         from llmaccel.bench.llama_cpp_peer import run_llama_cpp
         res["peer"] = run_llama_cpp(peer_file, ids, gen_len)
         res["x_peer"] = res["decode_tok_s"] / res["peer"]["decode_tok_s"]
-    measured_bw = copy_bandwidth(dev) if measure_bw else None
-    if measured_bw and step_s and tp == 1:  # a rank's bytes are not the whole model's
-        res.update(copy_bw_measured=measured_bw, roofline_tok_s=batch * measured_bw / step_bytes,
-                   roofline_frac=(step_bytes / measured_bw) / step_s)
-    return res
 
 
 def _peer_file(src: str, peer) -> Path | None:
