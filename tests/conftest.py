@@ -33,7 +33,6 @@ def _cpu_exact_and_uncompiled(request, monkeypatch):
     """On the CPU, LLM compiles its decode step by default (seconds of Inductor a model) and runs
     an fp32 graph's linears in bf16 where the CPU has bf16 dot products: tests run the exact fp32
     path, uncompiled, unless marked `cpu_fast` (tests/runtime/test_cpu_fast.py) or passing compile=."""
-    if "cpu_fast" not in request.keywords:
-        from llmaccel.runtime import decode
-        monkeypatch.setattr(decode, "cpu_compiler", lambda: "off in tests")
+    if "cpu_fast" not in request.keywords:  # (environment variables: child processes too)
+        monkeypatch.setenv("LLMACCEL_CPU_COMPILE", "0")
         monkeypatch.setenv("LLMACCEL_CPU_BF16", "0")

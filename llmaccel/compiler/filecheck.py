@@ -130,6 +130,23 @@ def _gguf_tensor_sizes():
     return {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
 
 
+def _check_gguf_extent(name, dims, size, offset, data_start, align, n_bytes) -> None:
+    """A tensor's data whole blocks, aligned and inside the file's n_bytes."""
+    block, type_size = size
+    if dims[0] % block:
+        raise _Bad(f"tensor {name}'s first dimension {dims[0]} is not a multiple of its "
+                   f"block of {block}")
+    n_elems = 1
+    for d in dims:  # stops growing past the file size: no huge products
+        n_elems *= d
+        if n_elems // block * type_size > n_bytes:
+            break
+    end = data_start + offset + n_elems // block * type_size
+    if offset % align or end > n_bytes:
+        raise _Bad(f"tensor {name} (offset {offset}, shape {dims}) lies outside the file's "
+                   f"{n_bytes} bytes")
+
+
 def _check_gguf(buf, deadline: float) -> dict:
     cur = _Cursor(buf, deadline)
     if cur.left() < 24 or bytes(buf[:4]) != b"GGUF":
@@ -175,19 +192,7 @@ def _check_gguf(buf, deadline: float) -> dict:
         cur.tick()
     data_start = -(-cur.pos // align) * align
     for name, dims, ttype, offset in tensors:
-        block, type_size = sizes[ttype]
-        if dims[0] % block:
-            raise _Bad(f"tensor {name}'s first dimension {dims[0]} is not a multiple of its "
-                       f"block of {block}")
-        n_elems = 1
-        for d in dims:  # stops growing past the file size: no huge products
-            n_elems *= d
-            if n_elems // block * type_size > len(buf):
-                break
-        end = data_start + offset + n_elems // block * type_size
-        if offset % align or end > len(buf):
-            raise _Bad(f"tensor {name} (offset {offset}, shape {dims}) lies outside the file's "
-                       f"{len(buf)} bytes")
+        _check_gguf_extent(name, dims, sizes[ttype], offset, data_start, align, len(buf))
     arch = meta.get("general.architecture")
     return {"version": version, "architecture": arch if isinstance(arch, str) else None,
             "tensors": n_tensors, "metadata": n_kv, "data_offset": data_start}

@@ -255,13 +255,7 @@ class Heal(Pass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config
-        if ctx.source_model is None:
-            raise LlmaccelError("heal needs the source model to distil against (run it through compile)")
-        teacher = ctx.source_model.gm
-        params = trainable_weights(gm, c.embed, teacher if c.train == "changed" else None)
-        if not params:
-            what = " the earlier passes changed" if c.train == "changed" else ""
-            raise LlmaccelError(f"heal: the graph has no float weights{what} it may train")
+        teacher, params = _teacher_and_params(gm, ctx, c)
         seq_len, batch = self._shape or auto_shape(ctx.config, ctx.device, c.seq_len, c.batch)
         train, held, refresh, sampling = self._data(ctx, seq_len, batch)
         # an early pool stays in _early until close(), which also ends it where run() fails first
@@ -275,17 +269,12 @@ class Heal(Pass):
         domains.measure(gm, 0, 0)
         dtype = resolve_dtype(c.dtype, ctx.device, params.values())
         backend = resolve_backend(c.compile, ctx.device)
-        for p in params.values():
-            p.requires_grad_(True)
-        # TF32 matmuls for training only (about 2x on GPUs); before/after quality stays full fp32.
-        precision = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
         try:
             if refresh:
                 sampling.setdefault("prompts", resolve_prompts(c.prompts, ctx.source_model))
                 if not pool.started:
                     self._sample_beside(ctx, pool, train, seq_len)
-            with master_weights(params):
+            with _training(params), master_weights(params):
                 trainer = Trainer(gm, teacher, list(params.values()), lr=c.lr, hidden=c.hidden,
                                   dtype=dtype, backend=backend, kl_chunk=c.kl_chunk, log=ctx.progress.log,
                                   regional=c.resolve_regional(gm))
@@ -298,10 +287,6 @@ class Heal(Pass):
         finally:
             refreshed = pool.close()
             self._early = None   # its buffer of windows goes with it
-            torch.set_float32_matmul_precision(precision)
-            for p in params.values():
-                p.requires_grad_(False)
-                p.grad = None
         finished: dict = {}
         for h in hooks:
             h.schedule(1.0)
@@ -313,18 +298,12 @@ class Heal(Pass):
         domains.measure(gm, len(losses), tokens)
         stats = {
             "steps": len(losses), "batch": batch, "seq_len": seq_len, "train_tokens": tokens,
-            "distinct_windows": min(pool.n, len(losses) * batch),
-            **refreshed,
+            "distinct_windows": min(pool.n, len(losses) * batch), **refreshed,
             "params_trained": sum(p.numel() for p in params.values()),
-            "dtype": str(dtype or "float32").removeprefix("torch."),
-            "compiled": (trainer.backend or "off") + (" by layer" if trainer.regional else ""),
-            **({"compile_error": trainer.compile_error} if trainer.compile_error else {}),
-            **sampling, **timing,
-            "train_tok_s": round(tokens / timing["train_s"], 1),
+            "dtype": str(dtype or "float32").removeprefix("torch."), **_trainer_stats(trainer),
+            **sampling, **timing, "train_tok_s": round(tokens / timing["train_s"], 1),
             "seconds_per_step": round(timing["train_s"] / max(1, len(losses)), 3),
-            **_quality_stats(held, before, after, losses),
-            **domains.stats(),
-            **finished,
+            **_quality_stats(held, before, after, losses), **domains.stats(), **finished,
         }
         return PassResult(gm, len(params), stats)
 
@@ -382,18 +361,58 @@ class Heal(Pass):
         if not interrupted.is_set():  # a budget's last step ends short of 100%
             bar.update((100 if budget else c.steps) - bar.n)
         bar.close()
-        end = time.perf_counter()
-        steady = len(losses) - 1
-        compiled = _compile_seconds()
-        # torch.compile's seconds in training, nearly all in the first step: of first_step_s the
-        # rest is running it and waiting for the first windows
-        compile_s = ({"compile_s": round(compiled - compiled_before, 3)}
-                     if trainer.backend and None not in (compiled, compiled_before) else {})
-        return losses, {"train_s": round(end - t0, 3), "first_step_s": round(first_s or 0.0, 3),
-                        **compile_s,
-                        "steady_tok_s": round(steady * batch * seq_len / (end - t1), 1)
-                        if steady and end > t1 else None,
-                        **({"interrupted_at_step": len(losses)} if interrupted.is_set() else {})}
+        return losses, _timing(trainer, losses, batch * seq_len, (t0, t1, first_s), compiled_before,
+                               interrupted.is_set())
+
+
+@contextlib.contextmanager
+def _training(params: dict):
+    """The weights trainable and TF32 matmuls (about 2x on GPUs) while training only: quality
+    before and after stays full fp32; the weights leave without gradients."""
+    precision = torch.get_float32_matmul_precision()
+    for p in params.values():
+        p.requires_grad_(True)
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        for p in params.values():
+            p.requires_grad_(False)
+            p.grad = None
+
+
+def _timing(trainer, losses, step_tokens: int, clock, compiled_before, interrupted: bool) -> dict:
+    """The heal's timing stats: clock = (start, end of the first step, its seconds)."""
+    t0, t1, first_s = clock
+    end = time.perf_counter()
+    steady = len(losses) - 1
+    compiled = _compile_seconds()
+    # torch.compile's seconds in training, nearly all in the first step: of first_step_s the
+    # rest is running it and waiting for the first windows
+    compile_s = ({"compile_s": round(compiled - compiled_before, 3)}
+                 if trainer.backend and None not in (compiled, compiled_before) else {})
+    return {"train_s": round(end - t0, 3), "first_step_s": round(first_s or 0.0, 3), **compile_s,
+            "steady_tok_s": round(steady * step_tokens / (end - t1), 1) if steady and end > t1 else None,
+            **({"interrupted_at_step": len(losses)} if interrupted else {})}
+
+
+def _teacher_and_params(gm, ctx: PassContext, c):
+    """The source graph to distil against and the weights the heal may train (a clear error
+    where either is missing)."""
+    if ctx.source_model is None:
+        raise LlmaccelError("heal needs the source model to distil against (run it through compile)")
+    teacher = ctx.source_model.gm
+    params = trainable_weights(gm, c.embed, teacher if c.train == "changed" else None)
+    if not params:
+        what = " the earlier passes changed" if c.train == "changed" else ""
+        raise LlmaccelError(f"heal: the graph has no float weights{what} it may train")
+    return teacher, params
+
+
+def _trainer_stats(trainer) -> dict:
+    return {"compiled": (trainer.backend or "off") + (" by layer" if trainer.regional else ""),
+            **({"compile_error": trainer.compile_error} if trainer.compile_error else {})}
 
 
 def _quality_stats(held: torch.Tensor, before: dict, after: dict, losses: list[float]) -> dict:

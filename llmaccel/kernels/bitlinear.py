@@ -60,18 +60,12 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _bitlinear_kernel(x_ptr, g_ptr, wp_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, KB, K_PER,
-                          stride_xm, eps, HAS_NORM: tl.constexpr, HAS_G: tl.constexpr,
-                          G_ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                          IEEE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_S: tl.constexpr):
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok, n_ok = rm < M, rn < N
+    def _row_scales(x_ptr, g_ptr, rm, m_ok, stride_xm, K, eps, HAS_NORM: tl.constexpr,
+                    HAS_G: tl.constexpr, G_ROUND: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Per row of the tile: (1 / RMS of x (HAS_NORM; else 0), 127 / absmax of the normed row,
+        the int8 scale of its activations)."""
         rs = tl.arange(0, BLOCK_S)
-        # 1. per-token statistics over the whole row
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if HAS_NORM:
             ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -95,6 +89,22 @@ if triton is not None:
             inv = libdevice.div_rn(tl.full((BLOCK_M,), 127.0, tl.float32), tl.maximum(amax, 1e-5))
         else:
             inv = 127.0 / tl.maximum(amax, 1e-5)
+        return rstd, inv
+
+    @triton.jit
+    def _bitlinear_kernel(x_ptr, g_ptr, wp_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, KB, K_PER,
+                          stride_xm, eps, HAS_NORM: tl.constexpr, HAS_G: tl.constexpr,
+                          G_ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                          IEEE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_S: tl.constexpr):
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < M, rn < N
+        # 1. per-token statistics over the whole row
+        rstd, inv = _row_scales(x_ptr, g_ptr, rm, m_ok, stride_xm, K, eps, HAS_NORM, HAS_G, G_ROUND,
+                                IEEE, BLOCK_M, BLOCK_S)
         # 2. ternary matmul over this program's columns
         rj = tl.arange(0, BLOCK_K // 4)                 # byte of the tile
         col0 = (rj // 16) * 64 + rj % 16                 # its plane-0 column within the tile

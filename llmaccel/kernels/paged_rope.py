@@ -128,6 +128,29 @@ if triton is not None:
                                                   _softmax_result, merge_splits)
 
     @triton.jit
+    def _new_token(KR, VR, KC, VC, BTR, P, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, c, s, q, m_i, l_i,
+                   acc, scale, D: tl.constexpr, BS: tl.constexpr):
+        """The row's new key (rotated) and value (at KR, VR) stored at slot P of its table
+        (BTR), and attended: the softmax state with them."""
+        kn = tl.load(KR + offs_d, mask=d_ok, other=0.0)
+        vn = tl.load(VR + offs_d, mask=d_ok, other=0.0)
+        kn = _rotate(kn, KR, 0, 0, offs_d, d_ok, c, s, D)
+        blk = tl.load(BTR + P // BS).to(tl.int64)
+        slot = blk * sc_blk + (P % BS) * sc_s + kvh * sc_h + offs_d
+        tl.store(KC + slot, kn.to(KC.dtype.element_ty), mask=d_ok)
+        tl.store(VC + slot, vn.to(VC.dtype.element_ty), mask=d_ok)
+        # the new key and value in the cache's precision, as the reference reads them back
+        kn = kn.to(KC.dtype.element_ty).to(q.dtype).to(tl.float32)
+        vn = vn.to(VC.dtype.element_ty).to(q.dtype).to(tl.float32)
+        qk = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale
+        m_new = tl.maximum(m_i, qk)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
+        return m_new, l_i, acc
+
+    @triton.jit
     def _rotate(x, X, rows, s_row, offs_d, ok, c, s, D: tl.constexpr):
         """x (rows at X + rows * s_row) with its rotary embedding: x * c + rotate_half(x) * s in
         fp32 (c, s the table rows at pos, rounded to x's dtype), rounded to x's dtype once."""
@@ -207,23 +230,9 @@ if triton is not None:
                                   d_ok, dt, BS, BLOCK_N)
             m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
         if (P >= start) & (P < start + split_len):  # this split owns slot pos
-            kn = tl.load(K + b * sk_b + kvh * sk_h + offs_d, mask=d_ok, other=0.0)
-            vn = tl.load(V + b * sv_b + kvh * sv_h + offs_d, mask=d_ok, other=0.0)
-            kn = _rotate(kn, K + b * sk_b, kvh, sk_h, offs_d, d_ok, c, s, D)
-            blk = tl.load(BT + b * sbt + P // BS).to(tl.int64)
-            slot = blk * sc_blk + (P % BS) * sc_s + kvh * sc_h + offs_d
-            tl.store(KC + slot, kn.to(KC.dtype.element_ty), mask=d_ok)
-            tl.store(VC + slot, vn.to(VC.dtype.element_ty), mask=d_ok)
-            # the new key and value in the cache's precision, as the reference reads them back
-            kn = kn.to(KC.dtype.element_ty).to(q.dtype).to(tl.float32)
-            vn = vn.to(VC.dtype.element_ty).to(q.dtype).to(tl.float32)
-            qk = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale
-            m_new = tl.maximum(m_i, qk)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
-            m_i = m_new
+            m_i, l_i, acc = _new_token(K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, KC, VC,
+                                       BT + b * sbt, P, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, c, s,
+                                       q, m_i, l_i, acc, scale, D, BS)
         acc, lse = _softmax_result(acc, l_i, m_i)
         om = g_ok[:, None] & d_ok[None, :]
         if SPLIT:

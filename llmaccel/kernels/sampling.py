@@ -86,6 +86,94 @@ if HAS_TRITON:
             h = _mix32(h0 ^ ((r.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF))
         return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
+    @triton.jit
+    def _argmax_and_mass(base, V, ts, best_i, m, z, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+        """Pass 1 over a row of logits: (argmax, max and (online) sum of exp of the tempered
+        logits; m and z as given when GREEDY)."""
+        ar = tl.arange(0, BLOCK)
+        best = tl.full([], -float("inf"), tl.float32)
+        for off in range(0, V, BLOCK):
+            cols = off + ar
+            msk = cols < V
+            lg = tl.load(base + cols, mask=msk, other=-float("inf")).to(tl.float32)
+            cmax = tl.max(lg, 0)
+            cidx = tl.min(tl.where(lg == cmax, cols, V), 0)
+            best_i = tl.where(cmax > best, cidx, best_i)
+            best = tl.maximum(best, cmax)
+            if not GREEDY:
+                x = lg / ts
+                nm = tl.maximum(m, tl.max(x, 0))
+                z = z * tl.exp(m - nm) + tl.sum(tl.where(msk, tl.exp(x - nm), 0.0), 0)
+                m = nm
+        return best_i, m, z
+
+    @triton.jit
+    def _kth_key(base, V, ts, m, need, BLOCK: tl.constexpr):
+        """The bits of the k-th largest e = exp(x / t - m) (k = need): a radix select, 8 bits a
+        pass from the top, a histogram of the next byte among the keys that share the bytes found
+        so far."""
+        ar = tl.arange(0, BLOCK)
+        prefix = tl.full([], 0, tl.int32)
+        bins = tl.arange(0, 256)
+        for level in tl.static_range(4):
+            SHIFT = 24 - 8 * level
+            h = tl.zeros([256], dtype=tl.int32)
+            for off in range(0, V, BLOCK):
+                cols = off + ar
+                msk = cols < V
+                x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
+                key = tl.exp(x - m).to(tl.int32, bitcast=True)
+                if level > 0:
+                    msk = msk & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+                h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=msk)
+            ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # keys in this byte's bins >= b
+            b = tl.sum((ge >= need).to(tl.int32), 0) - 1
+            need -= tl.sum(tl.where(bins > b, h, 0), 0)
+            prefix = prefix | (b << SHIFT)
+        return prefix
+
+    @triton.jit
+    def _mass_above(base, V, ts, m, thr, low, BLOCK: tl.constexpr):
+        """The sum of e over the row's tokens that top-k keeps (bits >= thr) with e > low."""
+        ar = tl.arange(0, BLOCK)
+        acc = tl.full([], 0.0, tl.float32)
+        for off in range(0, V, BLOCK):
+            cols = off + ar
+            msk = cols < V
+            x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
+            e = tl.exp(x - m)
+            acc += tl.sum(tl.where(msk & (e.to(tl.int32, bitcast=True) >= thr) & (e > low), e, 0.0), 0)
+        return acc
+
+    @triton.jit
+    def _draw(base, V, ts, m, thr, low, target, BLOCK: tl.constexpr):
+        """One rejection round's token: the first whose running sum of e (over tokens kept by
+        top-k with e > low) reaches target, else the last that can be drawn; (it, its e)."""
+        ar = tl.arange(0, BLOCK)
+        c = tl.full([], 0.0, tl.float32)
+        j = tl.full([], -1, tl.int32)
+        ej = tl.full([], 0.0, tl.float32)
+        last = tl.full([], -1, tl.int32)
+        last_e = tl.full([], 0.0, tl.float32)
+        off = tl.full([], 0, tl.int32)
+        while (off < V) & (j < 0):
+            cols = off + ar
+            msk = cols < V
+            x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
+            e = tl.exp(x - m)
+            sup = msk & (e.to(tl.int32, bitcast=True) >= thr) & (e > low)
+            w = tl.where(sup, e, 0.0)
+            cs = tl.cumsum(w, 0) + c
+            jj = tl.min(tl.where((cs >= target) & sup, cols, V), 0)
+            ej = tl.sum(tl.where(cols == jj, w, 0.0), 0)
+            j = tl.where(jj < V, jj, -1)
+            ll = tl.max(tl.where(sup & (w > 0), cols, -1), 0)  # a token that can be drawn
+            last_e = tl.where(ll >= 0, tl.sum(tl.where(cols == ll, w, 0.0), 0), last_e)
+            last = tl.maximum(last, ll)
+            c += tl.sum(w, 0)
+            off += BLOCK
+        return tl.where(j < 0, last, j), tl.where(j < 0, last_e, ej)
+
     @triton.jit(do_not_specialize=["R", "B", "S", "R0"])
     def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, out_ptr, V, sx, R,
                        irow, frow, part, B, S, R0,
@@ -95,7 +183,6 @@ if HAS_TRITON:
         base = x_ptr + row.to(tl.int64) * sx
         t = tl.load(t_ptr + row)
         ts = tl.where(t > 0, t, 1.0)
-        ar = tl.arange(0, BLOCK)
         # RESUME (after the chunk kernels): irow holds per row its state (0: the argmax is the
         # token; 1: round 0 drawn, j and e_j in irow / frow, the masses above e_j per chunk in
         # part; 2: a top-k row, the whole algorithm here), the argmax and j; frow m, Z and e_j
@@ -106,21 +193,7 @@ if HAS_TRITON:
         m = tl.full([], -float("inf"), tl.float32)
         z = tl.full([], 0.0, tl.float32)
         if st == 2:
-            # pass 1: argmax of the logits, max and (online) sum of exp of the tempered logits
-            best = tl.full([], -float("inf"), tl.float32)
-            for off in range(0, V, BLOCK):
-                cols = off + ar
-                msk = cols < V
-                lg = tl.load(base + cols, mask=msk, other=-float("inf")).to(tl.float32)
-                cmax = tl.max(lg, 0)
-                cidx = tl.min(tl.where(lg == cmax, cols, V), 0)
-                best_i = tl.where(cmax > best, cidx, best_i)
-                best = tl.maximum(best, cmax)
-                if not GREEDY:
-                    x = lg / ts
-                    nm = tl.maximum(m, tl.max(x, 0))
-                    z = z * tl.exp(m - nm) + tl.sum(tl.where(msk, tl.exp(x - nm), 0.0), 0)
-                    m = nm
+            best_i, m, z = _argmax_and_mass(base, V, ts, best_i, m, z, BLOCK, GREEDY)
         else:  # the casts here and below: without RESUME irow / frow are placeholders of another
             # dtype, and Triton types both branches of a test of st (it does not fold st == 2)
             best_i = tl.load(irow + B + row).to(tl.int32)
@@ -133,34 +206,8 @@ if HAS_TRITON:
             thr = tl.full([], 0, tl.int32)  # the bits of the smallest e that top-k keeps
             zk = z
             if (k > 0) & (k < V):
-                # radix select of the k-th largest key, 8 bits a pass from the top: a
-                # histogram of the next byte among the keys that share the bytes found so far
-                prefix = tl.full([], 0, tl.int32)
-                need = k.to(tl.int32)
-                bins = tl.arange(0, 256)
-                for level in tl.static_range(4):
-                    SHIFT = 24 - 8 * level
-                    h = tl.zeros([256], dtype=tl.int32)
-                    for off in range(0, V, BLOCK):
-                        cols = off + ar
-                        msk = cols < V
-                        x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
-                        key = tl.exp(x - m).to(tl.int32, bitcast=True)
-                        if level > 0:
-                            msk = msk & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-                        h += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=msk)
-                    ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # keys in this byte's bins >= b
-                    b = tl.sum((ge >= need).to(tl.int32), 0) - 1
-                    need -= tl.sum(tl.where(bins > b, h, 0), 0)
-                    prefix = prefix | (b << SHIFT)
-                thr = prefix
-                zk = 0.0
-                for off in range(0, V, BLOCK):
-                    cols = off + ar
-                    msk = cols < V
-                    x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
-                    e = tl.exp(x - m)
-                    zk += tl.sum(tl.where(msk & (e.to(tl.int32, bitcast=True) >= thr), e, 0.0), 0)
+                thr = _kth_key(base, V, ts, m, k.to(tl.int32), BLOCK)
+                zk = _mass_above(base, V, ts, m, thr, -1.0, BLOCK)
             h0 = _row_hash(seed_ptr, pos_ptr, row)
             low = tl.full([], -1.0, tl.float32)
             mass = zk
@@ -176,40 +223,10 @@ if HAS_TRITON:
                 mass = above
                 r = tl.full([], 0, tl.int32) + R0
             while (r < R) & (done == 0):
-                target = _uniform(h0, r) * mass
-                c = tl.full([], 0.0, tl.float32)
-                j = tl.full([], -1, tl.int32)
-                ej = tl.full([], 0.0, tl.float32)
-                last = tl.full([], -1, tl.int32)
-                last_e = tl.full([], 0.0, tl.float32)
-                off = tl.full([], 0, tl.int32)
-                while (off < V) & (j < 0):
-                    cols = off + ar
-                    msk = cols < V
-                    x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
-                    e = tl.exp(x - m)
-                    sup = msk & (e.to(tl.int32, bitcast=True) >= thr) & (e > low)
-                    w = tl.where(sup, e, 0.0)
-                    cs = tl.cumsum(w, 0) + c
-                    jj = tl.min(tl.where((cs >= target) & sup, cols, V), 0)
-                    ej = tl.sum(tl.where(cols == jj, w, 0.0), 0)
-                    j = tl.where(jj < V, jj, -1)
-                    ll = tl.max(tl.where(sup & (w > 0), cols, -1), 0)  # a token that can be drawn
-                    last_e = tl.where(ll >= 0, tl.sum(tl.where(cols == ll, w, 0.0), 0), last_e)
-                    last = tl.maximum(last, ll)
-                    c += tl.sum(w, 0)
-                    off += BLOCK
-                ej = tl.where(j < 0, last_e, ej)
-                j = tl.where(j < 0, last, j)
+                j, ej = _draw(base, V, ts, m, thr, low, _uniform(h0, r) * mass, BLOCK)
                 above = tl.full([], 0.0, tl.float32)
                 if top_p < 1.0:
-                    for off2 in range(0, V, BLOCK):
-                        cols = off2 + ar
-                        msk = cols < V
-                        x = tl.load(base + cols, mask=msk, other=0.0).to(tl.float32) / ts
-                        e = tl.exp(x - m)
-                        keep = msk & (e.to(tl.int32, bitcast=True) >= thr) & (e > ej)
-                        above += tl.sum(tl.where(keep, e, 0.0), 0)
+                    above = _mass_above(base, V, ts, m, thr, ej, BLOCK)
                 ok = (top_p >= 1.0) | (above < top_p * zk)
                 tok = tl.where(ok, j, tok)
                 done = ok.to(tl.int32)
@@ -257,6 +274,24 @@ if HAS_TRITON:
     def _chunk_argmax(fch, ich, out_ptr, S, V, BLOCK_S: tl.constexpr):
         row = tl.program_id(0)
         tl.store(out_ptr + row, _row_argmax(fch, ich, row, S, V, BLOCK_S).to(tl.int64))
+
+    @triton.jit
+    def _chunk_token(xrow, c, V, t, m, low, target, before, CH: tl.constexpr):
+        """In chunk c of a row's logits (at xrow): the first token whose running sum of
+        e = exp(x / t - m) over e > low, after the chunks' mass `before`, reaches target, else the
+        last with mass; (it, its e)."""
+        cols = c * CH + tl.arange(0, CH)
+        msk = cols < V
+        x = tl.load(xrow + cols, mask=msk, other=0.0).to(tl.float32)
+        e = tl.exp(x / t - m)
+        sup = msk & (e > low)
+        ws = tl.where(sup, e, 0.0)
+        j = tl.min(tl.where((tl.cumsum(ws, 0) + before >= target) & sup, cols, V), 0)
+        last = tl.max(tl.where(ws > 0, cols, -1), 0)
+        # (no token with mass left in the chunk: exp flushed them to zero)
+        last = tl.where(last >= 0, last, tl.max(tl.where(sup, cols, -1), 0))
+        j = tl.where(j < V, j, last)
+        return j, tl.sum(tl.where(cols == j, ws, 0.0), 0)
 
     @triton.jit(do_not_specialize=["B", "S", "r"])
     def _chunk_draw(x_ptr, t_ptr, k_ptr, p_ptr, seed_ptr, pos_ptr, V, sx, fch, part, ich, irow, frow,
@@ -308,20 +343,10 @@ if HAS_TRITON:
                 # rounding may leave the target unmet: the last token with mass, as the reference
                 fall = tl.max(tl.where((so < S) & (w > 0), so, 0), 0)
                 if c == tl.where(hit < S, hit, fall):
-                    cols = c * CH + tl.arange(0, CH)
-                    msk = cols < V
-                    x = tl.load(x_ptr + row.to(tl.int64) * sx + cols, mask=msk, other=0.0).to(tl.float32)
-                    e = tl.exp(x / t - m)
-                    sup = msk & (e > low)
-                    ws = tl.where(sup, e, 0.0)
-                    cs = tl.cumsum(ws, 0) + tl.sum(tl.where(so < c, w, 0.0), 0)
-                    j = tl.min(tl.where((cs >= target) & sup, cols, V), 0)
-                    last = tl.max(tl.where(ws > 0, cols, -1), 0)
-                    # (no token with mass left in the chunk: exp flushed them to zero)
-                    last = tl.where(last >= 0, last, tl.max(tl.where(sup, cols, -1), 0))
-                    j = tl.where(j < V, j, last)
+                    j, ej = _chunk_token(x_ptr + row.to(tl.int64) * sx, c, V, t, m, low, target,
+                                         tl.sum(tl.where(so < c, w, 0.0), 0), CH)
                     tl.store(irow + 2 * B + row, j)
-                    tl.store(frow + 2 * B + row, tl.sum(tl.where(cols == j, ws, 0.0), 0))
+                    tl.store(frow + 2 * B + row, ej)
 
     @triton.jit(do_not_specialize=["B", "S"])
     def _chunk_above(x_ptr, t_ptr, p_ptr, V, sx, part, irow, frow, B, S, CH: tl.constexpr):

@@ -191,9 +191,7 @@ def window_whole(q, k, v, mix, *, n_heads: int, n_kv_heads: int, head_dim: int, 
     vh = v.float().view(B, T, Hkv, D).transpose(1, 2)
     sk, sv = kh[:, :, :sinks], vh[:, :, :sinks]                                   # (B, Hkv, ns, D)
     if pad:
-        qh = torch.nn.functional.pad(qh, (0, 0, 0, pad))
-        kh = torch.nn.functional.pad(kh, (0, 0, 0, pad))
-        vh = torch.nn.functional.pad(vh, (0, 0, 0, pad))
+        qh, kh, vh = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (qh, kh, vh))
     dev = q.device
     pos = torch.arange(N * c, device=dev).view(N, c)
     qc = qh.reshape(B, Hkv, G, N, c, D)

@@ -225,18 +225,7 @@ class _Quantizer:
                 # the clip search chose ranges for min/max rounding: keep that rounding
                 grid = self.grid(K, search=False)
         self.pending -= set(group)
-        # Rows are independent given H: one GPTQ (or RTN) call for the whole group.
-        w_all = torch.cat(ws, 0)
-        H = None if xs is None else xs.T @ xs
-        if "gptq" in c.method:
-            with one_thread():
-                q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp,
-                                      block_fn=gptq_block)
-        else:
-            scale, zero = grid.params(w_all, None if H is None else H.diagonal())
-            q = grid.codes(w_all, scale, zero)
-        if c.refit and H is not None and c.bits == 4:
-            scale = refit_scales(w_all, H, q, scale, zero, grid)
+        q, scale, zero = self._codes(torch.cat(ws, 0), xs, grid)
         start = 0
         for u, w in zip(group, ws):
             rows = slice(start, start + w.shape[0])
@@ -253,6 +242,22 @@ class _Quantizer:
             r = self.records[u]
             w = grid.dequant(r["q"], r["scale"], r["zero"], K)
             outputs[u] = F.linear(xs.view(*x.shape[:-1], K), w, r["bias"]).to(x.dtype)
+
+    def _codes(self, w_all, xs, grid):
+        """(codes, scales, zeros) of a group's rows, which are independent given H: one GPTQ (or
+        RTN) call for the whole group."""
+        c = self.cfg
+        H = None if xs is None else xs.T @ xs
+        if "gptq" in c.method:
+            with one_thread():
+                q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp,
+                                      block_fn=gptq_block)
+        else:
+            scale, zero = grid.params(w_all, None if H is None else H.diagonal())
+            q = grid.codes(w_all, scale, zero)
+        if c.refit and H is not None and c.bits == 4:
+            scale = refit_scales(w_all, H, q, scale, zero, grid)
+        return q, scale, zero
 
     def _fold(self, sink, s: torch.Tensor, stem: str) -> None:
         if sink[0] == "norm":

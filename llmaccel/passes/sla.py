@@ -199,6 +199,31 @@ class SLA(Pass):
     exact = False
     config_cls = SLAConfig
 
+    def _fit_convs(self, gm, nodes, ids, ctx: PassContext, win, stats: dict) -> list:
+        """init=fit: each layer's conv (and gain, folded into W_o) solved in closed form against
+        the softmax attention's output on the calibration windows; their errors into stats."""
+        c = self.config
+        acc = fit_conv(gm, nodes, ids, c.kernel_size, c.eps, c.ridge, ctx.progress, win)
+        lin, err, gains, fits = [], [], 0, []
+        for n, a in zip(nodes, acc):
+            o = _o_linear(gm, n) if c.gain else None
+            conv, gain = solve_fit(a, c.kernel_size, c.ridge, o is not None)
+            ones = torch.zeros_like(a["xr"])
+            ones[:, -1] = 1
+            lin.append(_rel_err(a, ones))
+            err.append(_rel_err(a, torch.cat([conv, gain[:, None]], 1)))
+            if o is not None:  # W_o (gain * la + conv) = (W_o diag(gain)) (la + conv / gain)
+                wo = weight_of(gm, o.args[1])
+                new = (wo.double() * gain.to(wo.device)[None, :]).to(wo.dtype)
+                o.args = (o.args[0], replace_weight(gm, o.args[1], new, o), *o.args[2:])
+                conv = conv / gain[:, None]
+                gains += 1
+            fits.append(conv.float())
+        stats.update({"attn_rel_err_linear": round(sum(lin) / len(lin), 4),
+                      "attn_rel_err_fit": round(sum(err) / len(err), 4),
+                      "gain_folded_layers": gains, "fit_tokens": ids.numel()})
+        return fits
+
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         c = self.config
         nodes = op_nodes(gm, ops.attention, kv_quant_attention)
@@ -217,25 +242,7 @@ class SLA(Pass):
             stats.update({"window": c.window, "sinks": c.sinks,
                           "mix_mean": round(sum(w["mix"].mean().item() for w in win) / len(win), 3)})
         if c.init == "fit":
-            acc = fit_conv(gm, nodes, ids, c.kernel_size, c.eps, c.ridge, ctx.progress, win)
-            lin, err, gains = [], [], 0
-            for i, (n, a) in enumerate(zip(nodes, acc)):
-                o = _o_linear(gm, n) if c.gain else None
-                conv, gain = solve_fit(a, c.kernel_size, c.ridge, o is not None)
-                ones = torch.zeros_like(a["xr"])
-                ones[:, -1] = 1
-                lin.append(_rel_err(a, ones))
-                err.append(_rel_err(a, torch.cat([conv, gain[:, None]], 1)))
-                if o is not None:  # W_o (gain * la + conv) = (W_o diag(gain)) (la + conv / gain)
-                    wo = weight_of(gm, o.args[1])
-                    new = (wo.double() * gain.to(wo.device)[None, :]).to(wo.dtype)
-                    o.args = (o.args[0], replace_weight(gm, o.args[1], new, o), *o.args[2:])
-                    conv = conv / gain[:, None]
-                    gains += 1
-                fits[i] = conv.float()
-            stats.update({"attn_rel_err_linear": round(sum(lin) / len(lin), 4),
-                          "attn_rel_err_fit": round(sum(err) / len(err), 4),
-                          "gain_folded_layers": gains, "fit_tokens": ids.numel()})
+            fits = self._fit_convs(gm, nodes, ids, ctx, win, stats)
         kv_bytes = state = 0
         for i, n in enumerate(nodes):
             kw = n.kwargs

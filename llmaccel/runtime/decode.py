@@ -31,6 +31,7 @@ Without capture (the CPU) the same sub-step runs eagerly on the same buffers.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -50,15 +51,27 @@ from llmaccel.sampling import logprob_pairs, sample_rows, token_logprobs
 MAX_STEPS = 8  # sub-steps per host sync: the tokens a finished row may waste, a stream's granularity
 
 
-@functools.cache
 def cpu_compiler() -> str | None:
-    """None where Inductor finds a C++ compiler to build CPU kernels with; else why not."""
+    """None where Inductor finds a C++ compiler to build CPU kernels with and
+    LLMACCEL_CPU_COMPILE=0 does not turn it off; else why not."""
+    if os.environ.get("LLMACCEL_CPU_COMPILE", "1") == "0":
+        return "off: LLMACCEL_CPU_COMPILE=0"
+    return _no_cpp_compiler()
+
+
+@functools.cache
+def _no_cpp_compiler() -> str | None:
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
         get_cpp_compiler()
     except Exception as e:  # noqa: BLE001 - no compiler, or an Inductor without the helper
         return f"no C++ compiler for Inductor ({type(e).__name__}: {e})"[:200]
     return None
+
+
+def default_compile(device) -> bool:
+    """compile=None's choice: Inductor on CUDA, and on a CPU where it finds a C++ compiler."""
+    return torch.device(device).type == "cuda" or cpu_compiler() is None
 
 
 def batch_buckets(max_seqs: int) -> list[int]:

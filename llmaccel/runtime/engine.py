@@ -10,6 +10,7 @@ import torch
 from llmaccel.compiler.model import Model, load, parse_dtype
 from llmaccel.errors import LlmaccelError
 from llmaccel.runtime.core import EngineCore
+from llmaccel.runtime.decode import default_compile
 from llmaccel.runtime.detokenize import detok_of
 from llmaccel.runtime.sequence import RequestOutput, Sequence
 from llmaccel.runtime.warmup import warm_up
@@ -59,6 +60,8 @@ class LLM:
                 from llmaccel.runtime import tp_ranks
 
                 tp_ranks.check_world(self.model.config, world, str(self.model.device))
+                if compile is None:  # decided once: every rank must run the same collectives
+                    engine_kw["compile"] = default_compile(self.model.device)
                 if not tp_ranks.dist.is_initialized():  # spawn the other ranks; this one is rank 0
                     self.ranks = tp_ranks.RankGroup(type(self), source, world,
                                                     dict(engine_kw, dtype=dtype, device=device))

@@ -190,6 +190,17 @@ def _gather_fp(pool: torch.Tensor, ids: list[int], n: int) -> torch.Tensor:
     return pool[sel].flatten(0, 1)[:n]
 
 
+def _packed_prefix(c: KiviPagedCache, layer: int, st: SeqStep, dev):
+    """The sequence's packed groups 0 .. q0 - 1, dequantized: keys, values (q0 * group, Hkv, D)."""
+    g, bits, vg = c.group, c.bits, c.vg[layer]
+    ids = torch.tensor(st.packed[: st.q0], device=dev)
+    kpk = dequantize_keys(c.kp[layer][ids], c.ks[layer][ids][:, :, None], c.km[layer][ids][:, :, None],
+                          bits, g).transpose(1, 2).flatten(0, 1)
+    vpk = dequantize_values(c.vp[layer][ids], c.vs[layer][ids], c.vm[layer][ids], bits,
+                            vg).transpose(1, 2).flatten(0, 1)
+    return kpk, vpk
+
+
 def attend_seq(c: KiviPagedCache, layer: int, st: SeqStep, q, k, v, scale: float) -> torch.Tensor:
     """Reference for one sequence: q, k, v (T, H|Hkv, D) at positions [start, end). Quantizes the
     groups that age, writes the tokens that stay in full precision, and attends every query with
@@ -224,15 +235,7 @@ def attend_seq(c: KiviPagedCache, layer: int, st: SeqStep, q, k, v, scale: float
         slots = torch.tensor([st.fp[p // g - st.q0] * g + p % g for p in range(w0, st.end)], device=dev)
         c.fk[layer].view(-1, *k.shape[1:])[slots] = k[w0 - st.start:]
         c.fv[layer].view(-1, *v.shape[1:])[slots] = v[w0 - st.start:]
-    # The packed prefix, dequantized.
-    if st.q0:
-        ids = torch.tensor(st.packed[: st.q0], device=dev)
-        kpk = dequantize_keys(c.kp[layer][ids], c.ks[layer][ids][:, :, None], c.km[layer][ids][:, :, None],
-                              bits, g).transpose(1, 2).flatten(0, 1)
-        vpk = dequantize_values(c.vp[layer][ids], c.vs[layer][ids], c.vm[layer][ids], bits,
-                                vg).transpose(1, 2).flatten(0, 1)
-    else:
-        kpk, vpk = ks_[:0], vs_[:0]
+    kpk, vpk = _packed_prefix(c, layer, st, dev) if st.q0 else (ks_[:0], vs_[:0])
     # Queries in runs of equal boundary (prompt rows share one; each generated row its own).
     out, p = [], st.start
     while p < st.end:

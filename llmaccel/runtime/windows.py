@@ -131,10 +131,30 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, temp
     multiprocessing spawn: that runs the caller's main script again in the child, all of it where
     the script has no `if __name__ == "__main__"` guard. Raises what the child raised (a model
     that cannot be loaded again from its source included)."""
+    proc, back, ctl = _spawn_child()
+    stats, error = None, None
+    told: dict[str, float] = {}   # message -> when it was sent
+    try:
+        ctl.send((model.source, str(model.dtype).removeprefix("torch."), str(model.device), prompts,
+                  length, seed, max_seqs, temperature, top_p))
+        stats, error = _relay(proc, back, ctl, told, deliver=deliver, stop=stop, ready=ready, begin=begin)
+    except OSError:   # the child went before it read what it was sent
+        error = error or f"the sampling process ended (exit code {proc.wait()})"
+    finally:
+        _end_child(proc, back, ctl, ready)
+    if error is None and stats is None and "stop" not in told:
+        error = "the sampling process ended without its figures"
+    if error:
+        raise LlmaccelError(f"heal: sampling in a process of its own failed: {error}")
+    return stats or {}
+
+
+def _spawn_child():
+    """(process, its connection back here, the control connection to it) of a child running _child.
+    child -> here: ("windows", [ids, ...]), ("ready",), ("stats", d), ("error", why), then None;
+    here -> child: the arguments, then "begin", "stop"."""
     from multiprocessing.connection import Connection
 
-    # child -> here: ("windows", [ids, ...]), ("ready",), ("stats", d), ("error", why), then None;
-    # here -> child: the arguments, then "begin", "stop"
     back_r, back_w = os.pipe()
     ctl_r, ctl_w = os.pipe()
     # `-c`, not `-m` (which imports the package, and so this module, before running it again);
@@ -151,64 +171,70 @@ def _stream_apart(model, prompts, length: int, *, seed: int, max_seqs: int, temp
         raise
     os.close(ctl_r)
     os.close(back_w)
-    back, ctl = Connection(back_r, writable=False), Connection(ctl_w, readable=False)
-    stats: dict | None = None
-    error = None
-    told: dict[str, float] = {}   # message -> when it was sent
+    return proc, Connection(back_r, writable=False), Connection(ctl_w, readable=False)
+
+
+def _relay(proc, back, ctl, told: dict, *, deliver, stop, ready, begin) -> tuple[dict | None, str | None]:
+    """Pass begin / stop to the child as they are set and its windows to `deliver` until it ends:
+    (its stats, the error it or its end gave)."""
+    got: dict = {"stats": None, "error": None}
     try:
-        ctl.send((model.source, str(model.dtype).removeprefix("torch."), str(model.device), prompts,
-                  length, seed, max_seqs, temperature, top_p))
-        while True:
-            due = {"begin": begin is None or begin.is_set(), "stop": stop is not None and stop.is_set()}
-            for name in [n for n, now in due.items() if now and n not in told]:
-                ctl.send(name)
-                told[name] = time.monotonic()
-            if "stop" in told and time.monotonic() - told["stop"] > _STOP_GRACE:
-                proc.kill()   # stuck where it cannot look at "stop" (loading, warming up)
-                break
-            if not back.poll(_POLL):
-                if proc.poll() is not None and not back.poll(0):
-                    error = error or f"the sampling process ended (exit code {proc.returncode})"
-                    break
-                continue
-            try:
-                item = back.recv()
-            except EOFError:
-                error = error or f"the sampling process ended (exit code {proc.wait()})"
-                break
-            if item is None:
-                break
-            if item[0] == "windows":
-                for w in item[1]:
-                    deliver(torch.tensor(w, dtype=torch.long))
-            elif item[0] == "ready":
-                if ready is not None:
-                    ready.set()
-            elif item[0] == "stats":
-                stats = item[1]
-            else:
-                error = item[1]
+        while _relay_one(proc, back, ctl, told, got, deliver, stop, ready, begin):
+            pass
     except OSError:   # the child went before it read what it was sent
-        error = error or f"the sampling process ended (exit code {proc.wait()})"
-    finally:
+        got["error"] = got["error"] or f"the sampling process ended (exit code {proc.wait()})"
+    return got["stats"], got["error"]
+
+
+def _relay_one(proc, back, ctl, told, got, deliver, stop, ready, begin) -> bool:
+    """One round of _relay; whether to go on."""
+    due = {"begin": begin is None or begin.is_set(), "stop": stop is not None and stop.is_set()}
+    for name in [n for n, now in due.items() if now and n not in told]:
+        ctl.send(name)
+        told[name] = time.monotonic()
+    if "stop" in told and time.monotonic() - told["stop"] > _STOP_GRACE:
+        proc.kill()   # stuck where it cannot look at "stop" (loading, warming up)
+        return False
+    if not back.poll(_POLL):
+        if proc.poll() is not None and not back.poll(0):
+            got["error"] = got["error"] or f"the sampling process ended (exit code {proc.returncode})"
+            return False
+        return True
+    try:
+        item = back.recv()
+    except EOFError:
+        got["error"] = got["error"] or f"the sampling process ended (exit code {proc.wait()})"
+        return False
+    if item is None:
+        return False
+    if item[0] == "windows":
+        for w in item[1]:
+            deliver(torch.tensor(w, dtype=torch.long))
+    elif item[0] == "ready":
         if ready is not None:
             ready.set()
-        try:
-            ctl.send("stop")
-        except OSError:   # the child has gone already
-            pass
-        ctl.close()
-        back.close()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if error is None and stats is None and "stop" not in told:
-        error = "the sampling process ended without its figures"
-    if error:
-        raise LlmaccelError(f"heal: sampling in a process of its own failed: {error}")
-    return stats or {}
+    elif item[0] == "stats":
+        got["stats"] = item[1]
+    else:
+        got["error"] = item[1]
+    return True
+
+
+def _end_child(proc, back, ctl, ready) -> None:
+    """Tell the child to stop (if it still listens), close both ends and wait for it (a minute)."""
+    if ready is not None:
+        ready.set()
+    try:
+        ctl.send("stop")
+    except OSError:   # the child has gone already
+        pass
+    ctl.close()
+    back.close()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class _Told:

@@ -20,7 +20,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llmaccel.kernels import bitlinear_gemv, gptq, pointwise, sampling
+from llmaccel.kernels import bitlinear, bitlinear_gemv, gemv_kernels, gptq, paged_rope, pointwise, sampling
 
 def sig(fn, types, consts):
     out = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -55,6 +55,33 @@ for dt in ("*fp32", "*bf16"):
                            K="i32", KW="i32", stride_xm="i32", stride_om="i32", eps="fp32"),
                       {"HAS_NORM": norm, "HAS_G": norm, "G_ROUND": norm, "HAS_BIAS": True, "IEEE": True,
                        "ASM": True, "PDL": True, "BLOCK_N": 8, "BLOCK_W": 128, "BLOCK_S": 1024}))
+GV = dict(X="*bf16", W="*bf16", BIAS="*bf16", R="*bf16", O="*bf16", N_OUT="i32", K="i32", s_x="i32",
+          s_w="i32", s_r="i32", s_o="i32", eps="fp32")
+for one, persist in ((True, False), (False, False), (True, True)):  # the fused GEMVs, their forms
+    for glu, norm in ((False, True), (True, True), (False, False)):
+        cases.append((f"gemv one_chunk={one} persist={persist} glu={glu}", gemv_kernels._gemv_kernel, GV,
+                      {"HAS_BIAS": False, "HAS_RES": not glu, "NORM": norm, "GLU": glu, "BLOCK_N": 8,
+                       "BLOCK_K": 2048, "ONE_CHUNK": one, "PDL": True, "PERSIST": persist}))
+        cases.append((f"gemv_int4 one_chunk={one} glu={glu}", gemv_kernels._gemv_int4_kernel,
+                      dict(X="*bf16", W="*i32", S="*bf16", Z="*u8", BIAS="*bf16", R="*bf16", O="*bf16",
+                           N_OUT="i32", K="i32", G="i32", ZB="i32", s_x="i32", s_r="i32", s_o="i32", eps="fp32"),
+                      {"GS": 128, "HAS_BIAS": False, "HAS_RES": not glu, "NORM": norm, "GLU": glu,
+                       "BLOCK_N": 4, "BLOCK_G": 16, "ONE_CHUNK": one, "PDL": True}))
+RP = {n: "i32" for n in ("sq_b sq_h sk_b sk_h sv_b sv_h sc_blk sc_s sc_h sbt s_cos so_b so_h smo_s smo_h "
+                         "smo_p sml_s sml_h").split()}
+RP.update(Q="*bf16", K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", POS="*i64", BT="*i32", O="*bf16",
+          MID_O="*fp32", MID_LSE="*fp32", COS="*fp32", SIN="*fp32", scale="fp32")
+for split, peel in ((False, True), (True, False)):   # paged decode attention with RoPE and the KV write
+    cases.append((f"paged_rope split={split} peel={peel}", paged_rope._paged_rope_decode_kernel, RP,
+                  {"GROUP": 3, "BLOCK_G": 4, "BS": 16, "D": 64, "BLOCK_D": 64, "BLOCK_N": 64,
+                   "SPLIT": split, "IEEE": False, "PEEL": peel, "PDL": peel}))
+for norm in (False, True):   # the ternary tensor-core kernel
+    cases.append((f"bitlinear norm={norm}", bitlinear._bitlinear_kernel,
+                  dict(x_ptr="*bf16", g_ptr="*bf16", wp_ptr="*u8", ws_ptr="*bf16", b_ptr="*bf16",
+                       out_ptr="*fp32", M="i32", N="i32", K="i32", KB="i32", K_PER="i32", stride_xm="i32",
+                       eps="fp32"),
+                  {"HAS_NORM": norm, "HAS_G": norm, "G_ROUND": norm, "HAS_BIAS": True, "ATOMIC": True,
+                   "IEEE": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_S": 256}))
 target = GPUTarget("cuda", 90, 32)
 failed = {}
 for name, fn, types, consts in cases:
