@@ -28,11 +28,18 @@ def _seed():
     torch.manual_seed(1234)
 
 
+# On the CPU, LLM compiles its decode step by default (seconds of Inductor a model) and runs an
+# fp32 graph's linears in bf16 where the CPU has bf16 dot products: tests run the exact fp32 path,
+# uncompiled (set for the whole session, so that module-scoped fixtures and child processes see
+# it too), unless marked `cpu_fast` (tests/runtime/test_cpu_fast.py) or passing compile=.
+CPU_EXACT = {"LLMACCEL_CPU_COMPILE": "0", "LLMACCEL_CPU_BF16": "0"}
+for _k, _v in CPU_EXACT.items():
+    os.environ.setdefault(_k, _v)
+
+
 @pytest.fixture(autouse=True)
-def _cpu_exact_and_uncompiled(request, monkeypatch):
-    """On the CPU, LLM compiles its decode step by default (seconds of Inductor a model) and runs
-    an fp32 graph's linears in bf16 where the CPU has bf16 dot products: tests run the exact fp32
-    path, uncompiled, unless marked `cpu_fast` (tests/runtime/test_cpu_fast.py) or passing compile=."""
-    if "cpu_fast" not in request.keywords:  # (environment variables: child processes too)
-        monkeypatch.setenv("LLMACCEL_CPU_COMPILE", "0")
-        monkeypatch.setenv("LLMACCEL_CPU_BF16", "0")
+def _cpu_fast_when_marked(request, monkeypatch):
+    if "cpu_fast" in request.keywords:
+        for k, v in CPU_EXACT.items():
+            if os.environ.get(k) == v:
+                monkeypatch.delenv(k)

@@ -8,7 +8,8 @@ from llmaccel import LLM, SamplingParams, compile, ops
 from llmaccel.runtime import decode
 
 pytestmark = pytest.mark.cpu_fast
-needs_compiler = pytest.mark.skipif(decode.cpu_compiler() is not None, reason="no C++ compiler for Inductor")
+needs_compiler = pytest.mark.skipif(decode._no_cpp_compiler() is not None,
+                                    reason="no C++ compiler for Inductor")
 
 
 @needs_compiler
