@@ -199,7 +199,7 @@ class DecodeRunner:
     """Decode sub-steps of the IR graph `gm` over `cache`, whose last block is the scratch
     block of the padding rows.
 
-    capture: CUDA graphs (CUDA only); compile: Inductor on the sub-step first (None: on CUDA).
+    capture: CUDA graphs (CUDA only); compile: Inductor on the sub-step first (None: default_compile).
     context(cache, pos, tables): a sub-step's attention context (DecodeContext; an sla graph's
     states take SlaDecodeContext, with their scratch entry as `scratch`).
     """

@@ -35,7 +35,8 @@ class LLM:
         """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py;
         over linear-attention states too, sla_states.py), except over a KIVI cache.
         cuda_graphs: replay them as CUDA graphs (CUDA only);
-        compile: Inductor on the decode sub-step first (None: on CUDA);
+        compile: Inductor on the decode sub-step first (None: default_compile, on CUDA and on a
+        CPU where Inductor finds a C++ compiler);
         tensor_parallel_size: ranks the graph is cut over (tp_ranks.py: workers spawned from
         here, or the ranks of a torchrun launch); close() ends the workers."""
         counts = dict(block_size=block_size, max_num_seqs=max_num_seqs,

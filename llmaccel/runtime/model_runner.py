@@ -31,7 +31,7 @@ def lp_pairs(lp: torch.Tensor, top) -> list[tuple[float, list]]:
 class ModelRunner:
     def __init__(self, model, backend: CacheBackend, *, capture: bool, compile: bool | None):
         """capture: replay steps as CUDA graphs (CUDA only); compile: Inductor on the decode
-        sub-step first (None: on CUDA)."""
+        sub-step first (None: decode.default_compile)."""
         self.backend, self.device, self.dtype = backend, model.device, model.dtype
         cfg = model.config
         rt = runtime_graph(model.gm)
