@@ -134,10 +134,10 @@ def cmd_generate(a) -> None:
         raise LlmaccelError("an exported ONNX folder generates without --speculative and --stats")
     # on a CPU, compiling the decode step costs 6-40 s (tracing; Inductor's cache keeps the C++)
     # and saves 9-26 ms a token on SmolLM2-135M: worth it from a few hundred tokens on
-    compile = None if a.max_new_tokens >= CPU_COMPILE_TOKENS else False
+    short_cpu = str(a.device) == "cpu" and a.max_new_tokens < CPU_COMPILE_TOKENS
     llm = model if onnx else LLM(model or a.src, dtype=a.dtype, device=a.device, speculative=a.speculative,
                                  num_speculative_tokens=a.num_speculative_tokens, tensor_parallel_size=a.tp,
-                                 compile=compile if str(a.device) == "cpu" else None)
+                                 compile=False if short_cpu else None)
     model = model or llm.model
     prompt = model.encode(a.prompt, chat=True) if a.chat else a.prompt
     t0, first = time.perf_counter(), None

@@ -16,8 +16,8 @@ kernel reads the cache through the block table: cached slots 0 .. pos - 1 split 
 a share of the row's own context, in whole tiles) run in parallel and merged by log-sum-exp, the new token's k, v taken from registers by the split that owns slot pos (which
 also stores them; no program reads that slot, so there is no race). The split count depends on
 the table width only, so a captured CUDA graph stays valid as positions advance within it.
-CPU implementation: the reference; CUDA: Triton. Eager CPU decode steps call
-paged_rope_decode_cpu directly (no custom-op dispatch, no padded batch).
+CPU implementation: the reference; CUDA: Triton. CPU decode steps call plain functions instead
+(no custom-op dispatch): paged_rope_decode_cpu eagerly, paged_rope_decode_masked compiled.
 """
 from __future__ import annotations
 
@@ -328,11 +328,6 @@ if not registered("paged_rope_decode_attention"):
     def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
         B, H, D = split_fused(q, k, v, k_cache.shape[2])[0].shape
         return q.new_empty((B, H, D))
-
-    # a compiled CPU decode step calls the op (Dynamo does not trace into it): the plain form
-    @paged_rope_decode_attention.register_kernel("cpu")
-    def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
-        return paged_rope_decode_cpu(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
 
     if triton is not None:
         @paged_rope_decode_attention.register_kernel("cuda")

@@ -97,8 +97,9 @@ class DecodeContext(StepContext):
             else:
                 args = (q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
                         v.reshape(B, n_kv_heads, head_dim))
-            # eager CPU steps: the plain function (the custom op's dispatch costs more than the
-            # attention there); compiled steps keep the op, which Dynamo does not trace into
+            # CPU: plain functions, not the custom op (its dispatch costs more than the attention
+            # there): eager steps attend row by row over each row's context; compiled steps trace
+            # one masked attention over the tables (no host read of the positions)
             fn = torch.ops.llmaccel.paged_rope_decode_attention
             if q.device.type == "cpu":
                 fn = paged_rope_decode_masked if torch.compiler.is_compiling() else paged_rope_decode_cpu
@@ -216,9 +217,8 @@ class DecodeRunner:
         cuda = self.device.type == "cuda"
         # Inductor on CUDA, and on a CPU whose C++ compiler it finds (the eager CPU step spends
         # ~half its time dispatching small ops: docs/performance.md, CPU)
-        why = cpu_compiler() if compile is None and not cuda else None
-        self.compile = (why is None) if compile is None else compile
-        self.eager_why = None if self.compile else why or "compile off"  # for metrics()
+        self.compile = default_compile(self.device) if compile is None else compile
+        self.eager_why = None if self.compile else "compile off" if compile is False else cpu_compiler()
         # one row on CUDA: the fused Triton GEMVs, when their kernel module loads
         self.gemv = cuda and load_kernel_modules().get("gemv") == "ok"
         self.lowered: dict[str, torch.fx.GraphModule] = {}

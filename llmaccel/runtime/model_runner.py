@@ -37,6 +37,7 @@ class ModelRunner:
         rt = runtime_graph(model.gm)
         self.gm, _ = lower(rt, max_len=cfg.max_position, select="eager", linear="mm")
         self.gm.selects_rows = getattr(rt, "selects_rows", False)
+        self.cpu_bf16_linears = sum(n.target is linear_bf16_cpu for n in self.gm.graph.nodes)
         on_cuda = str(self.device).startswith("cuda")
         # the sampling kernel proven on this device before any graph captures the sampler
         self.sampler_fallback = kernel_check(self.device, cfg.vocab_size, self.dtype) if on_cuda else None
@@ -112,7 +113,7 @@ class ModelRunner:
             graph_failures={k: v for r in runners for k, v in r.failures.items()},
             step_graph_replays=self.steps.replays if self.steps is not None else 0,
             sampler=self.sampler, decode_compiled=self.decode_compiled,
-            cpu_bf16_linears=sum(n.target is linear_bf16_cpu for n in self.gm.graph.nodes),
+            cpu_bf16_linears=self.cpu_bf16_linears,
             threads=torch.get_num_threads() if not str(self.device).startswith("cuda") else None)
 
     @property
