@@ -25,7 +25,6 @@ from llmaccel.ir import replace_weight
 from llmaccel.kernels.gptq import gptq_block
 from llmaccel.ops import bitlinear as bl
 from llmaccel.ops import rms_norm
-from llmaccel.passes.quant import one_thread
 from llmaccel.quant.algorithms import Grid, gptq, source_correct
 
 _ROUNDS = 2
@@ -96,8 +95,7 @@ def fit_codes(w: torch.Tensor, h: torch.Tensor, h_src: torch.Tensor, scale: str,
     s = s0
     for _ in range(_ROUNDS):
         grid = _TernaryGrid(bits=2, gs=w.shape[1], row_scale=s)
-        with one_thread():
-            codes, _, _ = gptq(w_star, H, grid, act_order=True, damp=damp, block_fn=gptq_block)
+        codes, _, _ = gptq(w_star, H, grid, act_order=True, damp=damp, block_fn=gptq_block)
         t = codes[:, : w.shape[1]] - 1
         s_new = _refit(w_star, t, H, scale, segments)
         for s_try in (s, s_new):

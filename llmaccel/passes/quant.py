@@ -12,8 +12,6 @@ llmaccel/quant/algorithms.py. Storage layout: llmaccel/ops/quant.py and docs/qua
 """
 from __future__ import annotations
 
-import contextlib
-
 import operator
 from dataclasses import dataclass
 from typing import Literal
@@ -26,6 +24,7 @@ from llmaccel import ops
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops import quant as qops
 from llmaccel.kernels.gptq import gptq_block
+from llmaccel.kernels.int_codes import cpu_bf16_dots
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.ir import add_weight, is_op, positions, prune_weights, replace_weight, weight_of
 from llmaccel.quant.algorithms import Grid, awq_clip, awq_scale, gptq, refit_scales, source_correct
@@ -119,6 +118,37 @@ def find_sink(xnode, group, n_heads: int, n_kv_heads: int, gqa_o: bool = True):
     return ("rows", lin, rows, tie) if lin is not None else "no linear producer"
 
 
+# --- the calibration's large products ------------------------------------------------------------
+
+def _bf16_products(x: torch.Tensor) -> bool:
+    """Whether the calibration's two large products run in bf16 with fp32 sums: fp32 inputs on a
+    CPU that multiplies bf16 in hardware (the CPU decode path runs these linears in bf16 too). On
+    2 AVX512-BF16 cores they are ~2x faster and were over half of the default W4 compile
+    (docs/performance.md, CPU). A GPU calibrates a bf16 model, whose inputs are bf16 already."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_bf16_dots()
+
+
+def _linear(x, w, b):
+    """A quantized linear's output on the calibration batch, which feeds the layers after it."""
+    if not _bf16_products(x):
+        return F.linear(x, w, b)
+    return F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).float()
+
+
+def _gram(xs: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """H = xsᵀ xs over every calibration token (GPTQ's Hessian, the refit's metric). In bf16 it is
+    summed in fp32 over chunks of tokens, so each chunk's product is rounded once: off by < 0.1%
+    of sqrt(H_ii H_jj) against float64 where fp32 is 1e-6. That can leave a near-singular H
+    indefinite: GPTQ then takes the fp32 one (`fp32_hessians` in the stats)."""
+    if not _bf16_products(xs):
+        return xs.T @ xs
+    H = torch.zeros(xs.shape[1], xs.shape[1], dtype=torch.float32, device=xs.device)
+    for c in xs.split(chunk):
+        cb = c.bfloat16()
+        H += (cb.T @ cb).float()
+    return H
+
+
 # --- the pass ------------------------------------------------------------------------------------
 
 class _Calibrated(torch.fx.Interpreter):
@@ -160,20 +190,6 @@ class _Calibrated(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-@contextlib.contextmanager
-def one_thread():
-    """The searches and GPTQ's column loop are many small ops: one thread is several times
-    faster than two there (thread hand-offs dominate), most of all on a loaded machine; the
-    large products around them (Hessians, the group's outputs over every calibration token)
-    keep all threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 class _Quantizer:
     def __init__(self, gm, cfg: QuantConfig, model_cfg, bar):
         self.gm, self.cfg, self.mc, self.bar = gm, cfg, model_cfg, bar
@@ -181,6 +197,7 @@ class _Quantizer:
         self.records: dict = {}       # linear node -> codes, scale, zero, bias, grid, K
         self.norm_scales: dict = {}   # norm node -> (weight index, bias index, 1/s, name)
         self.awq_skipped: dict = {}
+        self.fp32_hessians = 0        # groups whose bf16 Hessian was not positive definite
         self.gen = torch.Generator().manual_seed(0)
 
     def grid(self, K: int, search: bool = True) -> Grid:
@@ -212,16 +229,14 @@ class _Quantizer:
         if "awq" in c.method:
             sink = find_sink(xnode, group, self.mc.n_heads, self.mc.n_kv_heads, c.gqa_o)
             if isinstance(sink, tuple) and (sink[0] == "norm" or sink[1] in self.records):
-                with one_thread():
-                    s = awq_scale(sub, ws, grid, tie=sink[3] if sink[0] == "rows" else None, duo=c.awq_duo)
+                s = awq_scale(sub, ws, grid, tie=sink[3] if sink[0] == "rows" else None, duo=c.awq_duo)
                 ws = [w * s for w in ws]
                 xs, sub = xs / s, sub / s
                 self._fold(sink, s, stem)
             else:
                 self.awq_skipped[stem] = sink if isinstance(sink, str) else "producer not quantized"
             if c.bits == 4 and c.awq_clip:
-                with one_thread():
-                    ws = [awq_clip(sub, w, grid) for w in ws]
+                ws = [awq_clip(sub, w, grid) for w in ws]
                 # the clip search chose ranges for min/max rounding: keep that rounding
                 grid = self.grid(K, search=False)
         self.pending -= set(group)
@@ -241,23 +256,33 @@ class _Quantizer:
         for u in group:
             r = self.records[u]
             w = grid.dequant(r["q"], r["scale"], r["zero"], K)
-            outputs[u] = F.linear(xs.view(*x.shape[:-1], K), w, r["bias"]).to(x.dtype)
+            outputs[u] = _linear(xs.view(*x.shape[:-1], K), w, r["bias"]).to(x.dtype)
 
     def _codes(self, w_all, xs, grid):
         """(codes, scales, zeros) of a group's rows, which are independent given H: one GPTQ (or
         RTN) call for the whole group."""
         c = self.cfg
-        H = None if xs is None else xs.T @ xs
+        H = None if xs is None else _gram(xs)
         if "gptq" in c.method:
-            with one_thread():
-                q, scale, zero = gptq(w_all, H, grid, act_order=c.act_order, damp=c.damp,
-                                      block_fn=gptq_block)
+            try:
+                q, scale, zero = self._gptq(w_all, H, grid)
+            except torch.linalg.LinAlgError:
+                if not _bf16_products(xs):
+                    raise
+                # bf16 sums can leave a near-singular H (e.g. a first layer's attention
+                # output) indefinite even after damping, where fp32 ones do not
+                self.fp32_hessians += 1
+                H = xs.T @ xs
+                q, scale, zero = self._gptq(w_all, H, grid)
         else:
             scale, zero = grid.params(w_all, None if H is None else H.diagonal())
             q = grid.codes(w_all, scale, zero)
         if c.refit and H is not None and c.bits == 4:
             scale = refit_scales(w_all, H, q, scale, zero, grid)
         return q, scale, zero
+
+    def _gptq(self, w, H, grid):
+        return gptq(w, H, grid, act_order=self.cfg.act_order, damp=self.cfg.damp, block_fn=gptq_block)
 
     def _fold(self, sink, s: torch.Tensor, stem: str) -> None:
         if sink[0] == "norm":
@@ -371,6 +396,8 @@ class Quant(Pass):
               "size_ratio_vs_source": round(fp_bytes / q_bytes, 2)}
         if c.bits == 4:
             st["group_size"] = c.group_size
+        if qz.fp32_hessians:
+            st["fp32_hessians"] = qz.fp32_hessians
         if padded:
             st["padded_in_features"] = padded  # last group of these layers is partial (zero-padded)
         if "awq" in c.method:

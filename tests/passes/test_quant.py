@@ -150,3 +150,23 @@ def test_artifact_holds_packed_weights_and_loads_back(tmp_path):
         keys = list(f.keys())
         assert any(k.endswith(".qweight") and f.get_tensor(k).dtype == torch.uint8 for k in keys)
         assert not any(k.endswith(("qkv.weight", "down.weight")) for k in keys)
+
+
+def test_bf16_calibration_products_on_bf16_cpus(monkeypatch):
+    """Where the CPU multiplies bf16 in hardware, the calibration's Hessian and linear outputs run
+    in bf16 with fp32 sums: the Hessian within 0.5% of sqrt(H_ii H_jj) of float64's (fp32 inputs
+    rounded to bf16 once, each 1,024-token chunk's sum rounded once), the outputs within bf16
+    rounding; with LLMACCEL_CPU_BF16=0 (the tests' default) both are the plain fp32 products."""
+    from llmaccel.passes import quant as qp
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5000, 96, generator=g) * torch.rand(96, generator=g).pow(3).mul(8).add(0.1)
+    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    assert torch.equal(qp._gram(x), x.T @ x)
+    assert torch.equal(qp._linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(qp, "cpu_bf16_dots", lambda: True)
+    H, Hd = qp._gram(x), x.double().T @ x.double()
+    d = Hd.diagonal().sqrt()
+    assert H.dtype == torch.float32 and ((H.double() - Hd).abs() / (d[:, None] * d[None])).max() < 5e-3
+    y, ref = qp._linear(x, w, b), torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert y.dtype == torch.float32 and rel_err(y.double(), ref) < 1e-2
+    assert not qp._bf16_products(x.bfloat16())                 # a bf16 model's own products
