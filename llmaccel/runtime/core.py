@@ -132,6 +132,9 @@ class EngineCore:
             if batch:
                 spec = [(s, q - 1) for s, q in batch if q > 1 and len(s.token_ids) - s.num_computed == 1]
                 proposals = self.draft.propose(spec) if spec else {}
+                # rows without a proposal are plain decode rows: a step of those alone runs
+                # the decode runner's, not a verification
+                proposals = {i: p for i, p in proposals.items() if len(p[0])}
         except BaseException:
             if held is not None:  # a failure before anything launched: the tokens are not lost
                 eager.apply(held)
@@ -149,9 +152,9 @@ class EngineCore:
             if seq.id in proposals:
                 toks = [seq.token_ids[-1]] + proposals[seq.id][0]
                 nl = len(toks)
-            else:
+            else:  # a prefill chunk, or a decode row with room for proposals but none made
                 toks = seq.token_ids[nc: nc + q]
-                nl = 1 if nc + q == len(seq.token_ids) else 0
+                nl = 1 if nc + len(toks) == len(seq.token_ids) else 0
             plan.append((seq, toks, nl))
         plan.sort(key=lambda p: len(p[1]) != 1)
         self.stats["steps"] += 1

@@ -18,6 +18,8 @@ from llmaccel.runtime.sequence import Sequence
 from llmaccel.runtime.speculative import verify
 from llmaccel.sampling import token_logprobs
 
+MAX_PAUSE = 64   # the longest speculative back-off, in plain decode steps
+
 
 @dataclass
 class HeldStep:
@@ -141,8 +143,16 @@ class EagerSteps:
         s["spec_accepted"] += accepted
         s["spec_verifies"] += 1
         s["spec_emitted"] += accepted + 1
-        # Adapt k per sequence: lengthen after a full acceptance, shorten after a full rejection.
+        # Adapt k per sequence: lengthen after a full acceptance, shorten after a full rejection;
+        # rejected at one token, pause proposing for 1, 2, 4 .. MAX_PAUSE plain steps (doubling
+        # while the misses go on in a row), so text the draft cannot guess decodes at the plain
+        # step's speed.
         if accepted == k:
             seq.spec_k = min(self.core.k_max, seq.spec_k + 1)
         elif accepted == 0:
+            if k == 1:
+                seq.spec_pause = min(MAX_PAUSE, 1 << seq.spec_misses)
+                seq.spec_misses += 1
             seq.spec_k = max(1, seq.spec_k - 1)
+        if accepted:
+            seq.spec_misses = 0

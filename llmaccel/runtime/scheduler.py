@@ -83,6 +83,9 @@ class Scheduler:
         return max(0, q)
 
     def _spec_k(self, seq: Sequence) -> int:
+        if seq.spec_pause:   # backing off (eager_steps): this step is a plain one
+            seq.spec_pause -= 1
+            return 0
         left = seq.params.max_tokens - seq.n_output - 1
         return max(0, min(seq.spec_k, left, self.max_model_len - len(seq.token_ids) - 1))
 

@@ -52,6 +52,10 @@ class Sequence:
         self.kivi_nq = self.kivi_q0 = 0
         self.kivi_fp_old: dict[int, int] = {}
         self.spec_k = spec_k
+        # speculative back-off: plain steps left before proposing again, and the misses in a row
+        # (verifications of one token that accepted none) that set its length
+        self.spec_pause = self.spec_misses = 0
+        self.draft_state = None   # a draft's own per-sequence state (NgramDraft's index)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""

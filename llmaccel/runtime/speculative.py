@@ -9,7 +9,8 @@ Drafts:
                             indexed by the same block tables; it catches up lazily on the tokens it
                             has not seen (the prompt on the first round).
   NgramDraft                prompt lookup: the tokens that followed the latest earlier occurrence
-                            of the last n tokens (n = 3, 2, 1); q is one-hot.
+                            of the last n tokens (n = 3, 2, 1); q is one-hot. It pauses for a
+                            sequence whose proposals keep failing.
 """
 from __future__ import annotations
 
@@ -99,23 +100,56 @@ def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor 
     return proposal + [int(torch.multinomial(p[k], 1, generator=generator))]
 
 
+class NgramIndex:
+    """The latest start of every n-gram (n_min..n_max) of a token list that has a token after it,
+    kept up to date as the list grows (sequences only append): a lookup costs O(n_max) whatever
+    the length, where a scan of a 4,000-token history took milliseconds of Python a step."""
+
+    def __init__(self, n_max: int, n_min: int):
+        self.n_max, self.n_min = n_max, n_min
+        self.starts: dict[tuple, int] = {}
+        self.upto = 0   # n-grams followed by toks[e] for every e < upto are in `starts`
+
+    def update(self, toks: list[int]) -> None:
+        for e in range(max(self.upto, 1), len(toks)):
+            for n in range(self.n_min, min(self.n_max, e) + 1):
+                self.starts[tuple(toks[e - n: e])] = e - n   # later starts overwrite earlier
+        self.upto = max(self.upto, len(toks))
+
+    def lookup(self, toks: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest suffix (n_max down to
+        n_min) that occurred before; [] when none did."""
+        L = len(toks)
+        self.update(toks)   # the suffix itself ends at L: it has no token after it, so is not in
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            s = self.starts.get(tuple(toks[L - n:]))
+            if s is not None:
+                return toks[s + n: s + n + k]
+        return []
+
+
 class NgramDraft:
+    """Prompt lookup. A sequence without a match runs a plain decode step (the decode runner's
+    when no row of the step has a proposal); like every draft's, its proposals pause after
+    misses (eager_steps.EagerSteps._spec_stats)."""
     name = "ngram"
 
     def __init__(self, n_max: int = 3, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min
 
     def lookup(self, toks: list[int], k: int) -> list[int]:
-        L = len(toks)
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            pattern = toks[L - n:]
-            for s in range(L - n - 1, -1, -1):  # latest earlier occurrence first
-                if toks[s: s + n] == pattern:
-                    return toks[s + n: s + n + k]
-        return []
+        return NgramIndex(self.n_max, self.n_min).lookup(toks, k)
 
     def propose(self, items: list[tuple[object, int]]) -> dict[int, tuple[list[int], None]]:
-        return {seq.id: (self.lookup(seq.token_ids, k), None) for seq, k in items}
+        """{sequence id: (proposal, None)} for the sequences that have one."""
+        out = {}
+        for seq, k in items:
+            if seq.draft_state is None:
+                seq.draft_state = NgramIndex(self.n_max, self.n_min)
+            prop = seq.draft_state.lookup(seq.token_ids, k)
+            if prop:
+                out[seq.id] = (prop, None)
+        return out
 
 
 class ModelDraft:

@@ -231,7 +231,7 @@ def test_a_shape_whose_capture_fails_runs_eagerly(tiny, prompts, reference, monk
     {},
     {"kv_cache_tokens": 96, "block_size": 8},  # preemption: prefills again over cached blocks
     {"kv_cache_tokens": 120, "block_size": 3, "max_num_batched_tokens": 16},  # chunks, mixed steps
-    {"speculative": "ngram"},  # verification steps stay eager
+    {"speculative": "ngram"},  # verification steps stay eager, decode steps of rows without a match do not
 ], ids=["batched", "preempt", "chunked", "ngram"])
 def test_small_steps_on_static_buffers_match_reference(tiny, prompts, reference, kw):
     """The padded bucket steps of step_graphs (run eagerly here, replayed as CUDA graphs on a
