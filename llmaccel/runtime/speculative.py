@@ -9,8 +9,10 @@ Drafts:
                             indexed by the same block tables; it catches up lazily on the tokens it
                             has not seen (the prompt on the first round).
   NgramDraft                prompt lookup: the tokens that followed the latest earlier occurrence
-                            of the last n tokens (n = 3, 2, 1); q is one-hot. It pauses for a
-                            sequence whose proposals keep failing.
+                            of the last n tokens (n = 3, 2, 1); q is one-hot.
+
+A row without a proposal is a plain decode row (core.py), and every draft's proposals pause
+after misses (eager_steps.EagerSteps._spec_stats).
 """
 from __future__ import annotations
 
@@ -114,13 +116,13 @@ class NgramIndex:
         for e in range(max(self.upto, 1), len(toks)):
             for n in range(self.n_min, min(self.n_max, e) + 1):
                 self.starts[tuple(toks[e - n: e])] = e - n   # later starts overwrite earlier
-        self.upto = max(self.upto, len(toks))
+        self.upto = len(toks)
 
     def lookup(self, toks: list[int], k: int) -> list[int]:
         """The k tokens after the latest earlier occurrence of the longest suffix (n_max down to
         n_min) that occurred before; [] when none did."""
         L = len(toks)
-        self.update(toks)   # the suffix itself ends at L: it has no token after it, so is not in
+        self.update(toks)   # the suffix itself has no token after it: it is not in `starts`
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             s = self.starts.get(tuple(toks[L - n:]))
             if s is not None:
@@ -129,27 +131,17 @@ class NgramIndex:
 
 
 class NgramDraft:
-    """Prompt lookup. A sequence without a match runs a plain decode step (the decode runner's
-    when no row of the step has a proposal); like every draft's, its proposals pause after
-    misses (eager_steps.EagerSteps._spec_stats)."""
+    """Prompt lookup over each sequence's NgramIndex (kept on the sequence); [] without a match."""
     name = "ngram"
 
     def __init__(self, n_max: int = 3, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min
 
-    def lookup(self, toks: list[int], k: int) -> list[int]:
-        return NgramIndex(self.n_max, self.n_min).lookup(toks, k)
-
     def propose(self, items: list[tuple[object, int]]) -> dict[int, tuple[list[int], None]]:
-        """{sequence id: (proposal, None)} for the sequences that have one."""
-        out = {}
-        for seq, k in items:
+        for seq, _ in items:
             if seq.draft_state is None:
                 seq.draft_state = NgramIndex(self.n_max, self.n_min)
-            prop = seq.draft_state.lookup(seq.token_ids, k)
-            if prop:
-                out[seq.id] = (prop, None)
-        return out
+        return {seq.id: (seq.draft_state.lookup(seq.token_ids, k), None) for seq, k in items}
 
 
 class ModelDraft:
