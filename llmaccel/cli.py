@@ -278,10 +278,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--speculative", default=None, metavar="self|self:N|ngram|SRC",
-                   help="speculative decoding: an int8 copy of the target (self), its first N "
-                        "layers (self:N), prompt lookup (ngram), or a draft model with the same "
-                        "tokenizer")
+    p.add_argument("--speculative", default=None, metavar="self|self:int4|ngram|SRC",
+                   help="speculative decoding: an int8 copy of the target (self; self:int4 an int4 "
+                        "one), prompt lookup (ngram), or a draft model with the same tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (one GPU each; CPU processes over gloo without a GPU)")

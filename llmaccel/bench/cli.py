@@ -25,7 +25,7 @@ def cmd_bench(a) -> None:
                 top_p=a.top_p, top_k=a.top_k, warmup=a.warmup, measure_bw=not a.no_bw,
                 profile=not a.no_profile, speculative=a.speculative, spec_k=a.spec_k, prompt=a.prompt,
                 cuda_graphs=a.cuda_graphs == "on", compile=_bool_or_auto(a.compile),
-                prefix_caching=a.prefix_caching, tp=a.tp, peer=peer)
+                prefix_caching=a.prefix_caching, tp=a.tp, peer=peer, prompts=a.prompts)
     print(render(res))
     if a.json:
         print(json.dumps(res))
@@ -54,10 +54,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep prefix caching on: the measured run then finds its prompts (those "
                         "of the warm-up runs) cached and prefills only their last block")
-    p.add_argument("--speculative", default=None, metavar="DRAFT", help="ngram | self | self:N | SRC")
+    p.add_argument("--speculative", default=None, metavar="DRAFT", help="ngram | self | self:int4 | SRC")
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (LLM(tensor_parallel_size=N))")
     p.add_argument("--prompt", default=None, help="prompt text instead of --prompt-len random tokens")
+    p.add_argument("--prompts", default="random", choices=["random", "grounded", "open"],
+                   help="random: --prompt-len random tokens (or --prompt). grounded: prompts whose "
+                        "answer repeats a passage they carry (what ngram can copy); open: stories, "
+                        "explanations, advice. With a set (llmaccel/eval/prompts.py), request i takes "
+                        "its prompt i mod the set's size, and a prompt's length is its own token count "
+                        "(its UTF-8 bytes on a model without a tokenizer), not --prompt-len; the JSON "
+                        "gives prompt_set and prompt_tokens_mean")
     p.add_argument("--peer", default=None, metavar="llama.cpp[:TYPE|:FILE.gguf]",
                    help="run llama.cpp (llama-cpp-python) on a GGUF of the model after LLM, same "
                         "prompts and threads: the built-in model's Q4_1 file, that file made into "

@@ -24,6 +24,9 @@ from llmaccel import ops
 from llmaccel.ir import attention_layers, get_attr
 from llmaccel.errors import LlmaccelError
 
+PROMPT_SETS = ("random", "grounded", "open")  # --prompts; the last two: eval/prompts.py
+
+
 def weight_bytes_per_step(gm: torch.fx.GraphModule) -> int:
     """Bytes of every tensor the graph reads in full at each step (embedding-only tables excluded)."""
     seen, total = set(), 0
@@ -197,11 +200,14 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
           top_p: float = 1.0, top_k: int = 0, warmup: int = 2, measure_bw: bool = True,
           seed: int = 0, speculative: str | None = None, spec_k: int = 4, prompt: str | None = None,
           cuda_graphs: bool = True, compile: bool | None = None, profile: bool = True,
-          prefix_caching: bool = False, tp: int = 1, peer: tuple[str, str | None] | None = None) -> dict:
+          prefix_caching: bool = False, tp: int = 1, peer: tuple[str, str | None] | None = None,
+          prompts: str = "random") -> dict:
     """`batch` requests of prompt_len tokens, all added at once to `LLM`, each generating
     exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs. Prefix
     caching is off unless asked for: every run repeats the same prompts, which it would
-    otherwise find cached, and the peers compute their whole prefill."""
+    otherwise find cached, and the peers compute their whole prefill. prompts: "random"
+    (prompt_len random tokens, or `prompt`), or a set of eval/prompts.py ("grounded", "open"):
+    request i takes the set's prompt i mod its size, at that prompt's own length."""
     from llmaccel.compiler.model import resolve_device
     from llmaccel.compiler.pipeline import compile as compile_model
     from llmaccel.runtime.engine import LLM
@@ -219,9 +225,10 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     model = compile_model(src, passes_to_run(src, passes, options), options or {}, dtype=dtype,
                           device=device, eval_tokens=0, progress=False)
     load_s = time.perf_counter() - t0
-    ids, prompt_len = _prompts(model, prompt, batch, prompt_len, gen_len, seed)
+    ids = _prompts(model, prompt, prompts, batch, prompt_len, gen_len, seed)
+    prompt_len = sum(map(len, ids)) / batch  # the mean where a set's prompts differ in length
     llm = LLM(model, max_num_seqs=batch, speculative=speculative, num_speculative_tokens=spec_k,
-              max_num_batched_tokens=max(2048, min(batch * prompt_len, 16384)),
+              max_num_batched_tokens=max(2048, min(sum(map(len, ids)), 16384)),
               cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching,
               tensor_parallel_size=tp)
     warm_s, prefill_s, gen_s, peak, m0, m1 = _measure(llm, ids, sp, dev, warmup)
@@ -234,7 +241,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
         except Exception as e:  # the profile is extra information; the figures above stand
             res["profile_error"] = f"{type(e).__name__}: {e}"[:200]
     llm.close()
-    res["tensor_parallel_size"] = tp
+    res.update(tensor_parallel_size=tp, prompt_set="text" if prompt is not None else prompts)
     _run_peer(res, peer_file, ids, gen_len)
     measured_bw = copy_bandwidth(dev) if measure_bw else None
     if measured_bw and step_s and tp == 1:  # a rank's bytes are not the whole model's
@@ -253,7 +260,8 @@ def _figures(src, model, dev, batch, prompt_len, gen_len, sampling, speculative,
     kv_bytes = kv_bytes_per_step(model.gm, batch, prompt_len + gen_len / 2, elem)
     step_s = (gen_s - prefill_s) / (gen_len - 1) if gen_len > 1 else None
     return {
-        "tool": "llmc", "engine": "LLM", "src": src, "batch": batch, "prompt": prompt_len, "gen": gen_len,
+        "tool": "llmc", "engine": "LLM", "src": src, "batch": batch, "prompt": round(prompt_len),
+        "prompt_tokens_mean": prompt_len, "gen": gen_len,
         "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -318,21 +326,32 @@ def _measure(llm, ids, sp, dev, warmup: int) -> tuple:
     return warm_s, prefill_s, gen_s, peak, m0, m1
 
 
-def _prompts(model, prompt: str | None, batch: int, prompt_len: int, gen_len: int,
-             seed: int) -> tuple[list[list[int]], int]:
-    """The batch's prompt ids (`prompt` encoded, or seeded random tokens) and their length."""
+def _prompts(model, prompt: str | None, prompt_set: str, batch: int, prompt_len: int, gen_len: int,
+             seed: int) -> list[list[int]]:
+    """The batch's prompt ids: `prompt` encoded, a set's prompts in turn, or seeded random tokens."""
+    if prompt_set not in PROMPT_SETS:
+        raise LlmaccelError(f"--prompts must be one of {', '.join(PROMPT_SETS)}, got {prompt_set!r}")
+    if prompt is not None and prompt_set != "random":
+        raise LlmaccelError(f"--prompt and --prompts {prompt_set} both give the prompts; use one")
     if prompt is not None:
         ids = [model.encode(prompt)] * batch
         if not ids[0]:
             raise LlmaccelError("--prompt encodes to no tokens")
-        prompt_len = len(ids[0])
+    elif prompt_set != "random":
+        from llmaccel.eval import prompts as sets
+        from llmaccel.eval.text import text_encoder
+
+        # a preset has no tokenizer: it reads the text as bytes, which keeps the repeats a draft
+        # that copies from the prompt can find
+        texts, enc = getattr(sets, prompt_set.upper()), text_encoder(model)
+        ids = [enc(texts[i % len(texts)]) for i in range(batch)]
     else:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
-    need = prompt_len + gen_len
+    need = max(map(len, ids)) + gen_len
     if need > model.config.max_position:
         raise LlmaccelError(f"prompt + gen = {need} exceeds the model's {model.config.max_position} positions")
-    return ids, prompt_len
+    return ids
 
 
 def _engine_counts(m0: dict, m1: dict, speculative) -> dict:
@@ -348,8 +367,10 @@ def _engine_counts(m0: dict, m1: dict, speculative) -> dict:
 def render(res: dict) -> str:
     sampling = "greedy" if not res["temperature"] else (
         f"temperature {res['temperature']}, top_p {res['top_p']}, top_k {res['top_k']}")
+    prompt = (f"prompts {res['prompt_set']} (mean {res['prompt_tokens_mean']:.1f} tokens)"
+              if res.get("prompt_set") in PROMPT_SETS[1:] else f"prompt {res['prompt']}")
     lines = [f"{res['src']} {res['dtype']} on {res['device_name']}: {res['batch']} request(s), "
-             f"prompt {res['prompt']}, gen {res['gen']}, {sampling} (passes: {','.join(res['passes']) or '-'}"
+             f"{prompt}, gen {res['gen']}, {sampling} (passes: {','.join(res['passes']) or '-'}"
              f"{', speculative ' + res['speculative'] if res['speculative'] else ''}; LLM)",
              f"  decode   {res['decode_tok_s']:10.1f} tok/s  (output tokens over the whole generate)",
              f"  prefill  {res['prefill_tok_s']:10.1f} tok/s  (time to first token {1e3 * res['ttft_s']:.1f} ms)",

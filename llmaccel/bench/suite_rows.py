@@ -102,12 +102,11 @@ def _pytest_cuda(o: Options, row: str) -> list[Job]:
 
 
 def _spec(draft: str | None):
-    """LLM on the real SmolLM2-135M with one draft (or none), the same prompt, no passes (a self
-    draft needs the source's own weights); --small: a tiny preset with random tokens."""
+    """LLM on the real SmolLM2-135M with one draft (or none), the same prompt and the same graph
+    (no passes); --small: a tiny preset with random tokens."""
     def build(o: Options, row: str) -> list[Job]:
         label = "spec_" + (draft or "none").replace(":", "")
-        small_draft = {"self:8": "self:1"}.get(draft, draft)  # tiny-llama has 2 layers
-        extra = ["--no-profile", "--passes", ""] + (["--speculative", small_draft if o.small else draft] if draft else [])
+        extra = ["--no-profile", "--passes", ""] + (["--speculative", draft] if draft else [])
         if o.small:
             return [_bench(o, row, label, "", 1, 120, *extra)]
         if o.gguf is None or not o.gguf.exists():
@@ -174,7 +173,7 @@ ROWS = {
                                          "--dtype", "float32"]),
     "sla_llm": _sla_llm,
     "spec": _spec(None),
-    "spec_self": _spec("self:8"),
+    "spec_self": _spec("self"),
     "spec_ngram": _spec("ngram"),
 }
 GROUPS = {

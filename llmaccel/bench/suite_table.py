@@ -100,7 +100,7 @@ def serve_lines(res: dict) -> list[str]:
 def spec_lines(by: dict) -> list[str]:
     base = _tok_s(by, "spec_none")
     out = []
-    for label in ("spec_none", "spec_self8", "spec_ngram"):
+    for label in ("spec_none", "spec_self", "spec_ngram"):
         r = by.get(label)
         if r and r.get("status") == "ok":
             d = r["result"]

@@ -181,5 +181,5 @@ def check_draft(value: str | None) -> None:
     kind), or a draft model that exists."""
     if value is None or value == "ngram" or value.startswith("self") or names_a_source(value):
         return
-    raise LlmaccelError(f"--speculative: unknown draft {value!r}; use ngram, self, self:N, "
-                        f"self:int8, self:int4 or a draft model ({sources_hint()})")
+    raise LlmaccelError(f"--speculative: unknown draft {value!r}; use ngram, self, self:int8, "
+                        f"self:int4 or a draft model ({sources_hint()})")

@@ -31,7 +31,7 @@ STAT_KEYS = ("steps", "prompt_tokens", "generated_tokens", "spec_proposed", "spe
 class EngineCore:
     def __init__(self, model, *, block_size: int, kv_cache_tokens: int | None, max_num_seqs: int,
                  max_num_batched_tokens: int, speculative: str | None, num_speculative_tokens: int,
-                 enable_prefix_caching: bool, draft_layers: int | None, gpu_memory_utilization: float,
+                 enable_prefix_caching: bool, gpu_memory_utilization: float,
                  cuda_graphs: bool, compile: bool | None):
         self.model, self.cfg, self.device, self.dtype = model, model.config, model.device, model.dtype
         self.eos = self.cfg.eos_ids
@@ -42,15 +42,15 @@ class EngineCore:
         if speculative is not None:
             check_speculative(model.gm)
         self.k_max = max(1, num_speculative_tokens)
-        draft_model, draft_layers_map, self.self_kind = draft_source(
-            model, speculative, draft_layers, dtype=self.dtype, device=self.device)
+        draft_model, draft_name = draft_source(model, speculative, dtype=self.dtype, device=self.device)
+        draft_layers = attention_layers(draft_model.gm) if draft_model is not None else None
         capture = str(self.device).startswith("cuda") and cuda_graphs
         self.backend = make_backend(
             model.gm, self.cfg, layers, dtype=self.dtype, device=self.device, block_size=block_size,
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_batched=max_num_batched_tokens,
             fraction=gpu_memory_utilization, capture=capture, prefix_caching=enable_prefix_caching,
-            extra_bytes_per_token=PagedKVCache.bytes_per_token(draft_layers_map, self.dtype)
-            if draft_layers_map else 0)
+            extra_bytes_per_token=PagedKVCache.bytes_per_token(draft_layers, self.dtype)
+            if draft_layers else 0)
         self.cache, self.bm = self.backend.cache, self.backend.bm
         self.runner = ModelRunner(model, self.backend, capture=capture, compile=compile)
         self.sched = Scheduler(self.bm, max_num_seqs=self.backend.max_num_seqs,
@@ -59,14 +59,9 @@ class EngineCore:
         self.draft = None
         if speculative == "ngram":
             self.draft = NgramDraft()
-        elif draft_model is not None and draft_layers_map is None:  # LayerSkip: shares the cache
-            self.draft = ModelDraft(runtime_graph(draft_model), self.cache, shared=True,
-                                    device=self.device, name=f"self:{self.self_kind}")
         elif draft_model is not None:
-            dcache = PagedKVCache(draft_layers_map, self.bm.num_blocks, block_size, self.dtype, self.device)
-            name = f"self:{self.self_kind}" if speculative.startswith("self") else speculative
-            self.draft = ModelDraft(runtime_graph(draft_model.gm), dcache, shared=False,
-                                    device=self.device, name=name)
+            dcache = PagedKVCache(draft_layers, self.bm.num_blocks, block_size, self.dtype, self.device)
+            self.draft = ModelDraft(runtime_graph(draft_model.gm), dcache, device=self.device, name=draft_name)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.decode = DecodeSteps(self) if self.runner.decode is not None else None
         self.eager = EagerSteps(self)
@@ -126,7 +121,7 @@ class EngineCore:
                 seq.finish_reason = "length"
             if self.bm.copies:
                 self.backend.copy_blocks(self.bm.copies)
-                if isinstance(self.draft, ModelDraft) and not self.draft.shared:
+                if isinstance(self.draft, ModelDraft):
                     self.draft.cache.copy_blocks(self.bm.copies)
                 self.bm.copies.clear()
             if batch:

@@ -29,9 +29,8 @@ class LLM:
     def __init__(self, source, *, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
-                 device=None, enable_prefix_caching: bool = True, draft_layers: int | None = None,
-                 gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
-                 compile: bool | None = None, tensor_parallel_size: int = 1):
+                 device=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 cuda_graphs: bool = True, compile: bool | None = None, tensor_parallel_size: int = 1):
         """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py;
         over linear-attention states too, sla_states.py), except over a KIVI cache.
         cuda_graphs: replay them as CUDA graphs (CUDA only);
@@ -49,7 +48,7 @@ class LLM:
         engine_kw = dict(block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
                          num_speculative_tokens=num_speculative_tokens,
-                         enable_prefix_caching=enable_prefix_caching, draft_layers=draft_layers,
+                         enable_prefix_caching=enable_prefix_caching,
                          gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
                          compile=compile)
         self.ranks = None  # rank 0's workers (tp_ranks.RankGroup)

@@ -1,17 +1,14 @@
-"""Graph preparation for the runtime: logits only where needed, and the self-derived draft."""
+"""Graph preparation for the runtime: logits only where needed."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 import torch.fx
 
 from llmaccel import ops
-from llmaccel.ir import get_attr, is_op
+from llmaccel.ir import is_op
 from llmaccel.ops import quant as qops
-from llmaccel.compiler.families import capture, weight_shapes
-from llmaccel.errors import LlmaccelError
 
 
 def select_rows(x: torch.Tensor, ctx) -> torch.Tensor:
@@ -53,23 +50,3 @@ def _head(graph: torch.fx.Graph) -> torch.fx.Node | None:
     if isinstance(logits, torch.fx.Node) and is_op(logits, ops.linear, qops.linear_int4, qops.linear_int8):
         return logits
     return None
-
-
-def layerskip_draft(gm: torch.fx.GraphModule, cfg, n_layers: int) -> torch.fx.GraphModule:
-    """The target's first n_layers, its final norm and its (shared) LM head, as a graph.
-
-    The draft's layer i is the target's layer i, so over the same tokens it computes the same
-    K/V: the draft reads and writes the target's own cache for those layers and needs no cache
-    or prefill of its own.
-    """
-    if not 1 <= n_layers < cfg.n_layers:
-        raise LlmaccelError(f"self draft layers must be in 1..{cfg.n_layers - 1}, got {n_layers}")
-    dcfg = dataclasses.replace(cfg, n_layers=n_layers)
-    names = weight_shapes(dcfg)
-    try:
-        weights = {k: get_attr(gm, k) for k in names}
-    except AttributeError as e:
-        raise LlmaccelError(f"speculative='self' needs a graph with the canonical weights of "
-                            f"{cfg.family} (this one was rewritten by passes: {e}); give a draft "
-                            f"model instead") from None
-    return capture(dcfg, weights)

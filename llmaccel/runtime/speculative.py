@@ -2,14 +2,11 @@
 output distribution exactly (rejection sampling) and greedy output token for token.
 
 Drafts:
-  ModelDraft(shared=True)   the target's first layers + its LM head (LayerSkip style). Its layers
-                            are the target's, so it reads and writes the target's own paged cache
-                            (the target's verification rewrites those positions with equal values).
-  ModelDraft(shared=False)  a separate model with the same vocabulary and its own paged cache,
-                            indexed by the same block tables; it catches up lazily on the tokens it
-                            has not seen (the prompt on the first round).
-  NgramDraft                prompt lookup: the tokens that followed the latest earlier occurrence
-                            of the last n tokens (n = 3, 2, 1); q is one-hot.
+  ModelDraft   a model with the same vocabulary (the target quantized, or a separate one) and its
+               own paged cache, indexed by the same block tables; it catches up lazily on the
+               tokens it has not seen (the prompt on the first round).
+  NgramDraft   prompt lookup: the tokens that followed the latest earlier occurrence of the last n
+               tokens (n = 3, 2, 1); q is one-hot.
 
 A row without a proposal is a plain decode row (core.py), and every draft's proposals pause
 after misses (eager_steps.EagerSteps._spec_stats).
@@ -20,52 +17,44 @@ import torch
 
 from llmaccel.compiler.model import load
 from llmaccel.errors import LlmaccelError
-from llmaccel.ir import attention_layers
-from llmaccel.runtime.graph import layerskip_draft
 from llmaccel.runtime.kv_cache import PagedKVCache, build_step
 from llmaccel.sampling import filtered_probs
 
 # speculative="self" picks this draft derived from the target (docs/runtime.md: measured
 # acceptance x cost). "self:int8" / "self:int4": the target's weights quantized by the `quant`
-# pass (RTN, no calibration), with its own KV cache; "self:N": the target's first N layers
-# and its LM head (LayerSkip style), sharing the target's KV cache.
+# pass (RTN, no calibration), with its own KV cache.
 SELF_DEFAULT = "int8"
 QUANT_DRAFTS = {"int8": {"bits": 8, "method": "rtn"},
                 "int4": {"bits": 4, "method": "rtn", "group_size": 128}}
 
 
-def parse_self(spec: str, n_layers: int) -> str | int:
+def parse_self(spec: str) -> str:
     kind = spec.partition(":")[2] or SELF_DEFAULT
     if kind in QUANT_DRAFTS:
         return kind
-    if kind.isdigit() and 1 <= int(kind) < n_layers:
-        return int(kind)
-    raise LlmaccelError(f"unknown self draft {spec!r}; use self, self:int8, self:int4 or "
-                        f"self:N with N in 1..{n_layers - 1} (the target's first N layers)")
+    # self:N (the target's first N layers) was removed: it never paid (docs/runtime.md)
+    raise LlmaccelError(f"unknown draft {spec!r}; the drafts are self (= self:int8), self:int4, "
+                        f"ngram or a draft model with the target's vocabulary")
 
 
-def draft_source(model, speculative: str | None, draft_layers: int | None, *, dtype, device):
-    """(draft graph or model, its own attention layers or None when it shares the target's
-    cache, the self-draft kind or None) for LLM's speculative= argument."""
+def draft_source(model, speculative: str | None, *, dtype, device):
+    """(draft model, its name) for LLM's speculative= argument; (None, None) for no draft or
+    ngram, which needs no model."""
     if speculative is None or speculative == "ngram":
-        return None, None, None
-    if speculative == "self" and draft_layers:
-        speculative = f"self:{draft_layers}"
+        return None, None
     cfg = model.config
     if speculative.startswith("self"):
-        kind = parse_self(speculative, cfg.n_layers)
-        if isinstance(kind, int):
-            return layerskip_draft(model.gm, cfg, kind), None, kind
+        kind = parse_self(speculative)
         from llmaccel.compiler.pipeline import compile
 
         d = compile(model.source, ["quant"], {"quant": dict(QUANT_DRAFTS[kind])},
                     eval_tokens=0, progress=False, dtype=dtype, device=device)
-        return d, attention_layers(d.gm), kind
+        return d, f"self:{kind}"
     d = load(speculative, dtype=dtype, device=device)
     if d.config.vocab_size != cfg.vocab_size:
         raise LlmaccelError(f"draft {speculative} has a vocabulary of {d.config.vocab_size}; "
                             f"the target's is {cfg.vocab_size}")
-    return d, attention_layers(d.gm), None
+    return d, speculative
 
 
 def verify(logits: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor | None, params,
@@ -145,14 +134,14 @@ class NgramDraft:
 
 
 class ModelDraft:
-    def __init__(self, gm, cache: PagedKVCache, *, shared: bool, device, name: str = "model"):
-        self.gm, self.cache, self.shared, self.device, self.name = gm, cache, shared, device, name
+    def __init__(self, gm, cache: PagedKVCache, *, device, name: str = "model"):
+        self.gm, self.cache, self.device, self.name = gm, cache, device, name
 
     def _start(self, seq) -> int:
         """The first position to feed: at most the last token's (a verification that failed
         after this draft proposed leaves draft_computed past the tokens; the rejected
         proposals' KV there is overwritten as the sequence goes on)."""
-        return min(seq.num_computed if self.shared else seq.draft_computed, len(seq.token_ids) - 1)
+        return min(seq.draft_computed, len(seq.token_ids) - 1)
 
     @torch.no_grad()
     def propose(self, items: list[tuple[object, int]]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
@@ -179,6 +168,5 @@ class ModelDraft:
                 start[s.id] += len(feed[s.id])
                 feed[s.id] = [t]
         for seq, _ in items:
-            if not self.shared:
-                seq.draft_computed = start[seq.id]
+            seq.draft_computed = start[seq.id]
         return {i: (toks, torch.stack(qs) if qs else None) for i, (toks, qs) in out.items()}

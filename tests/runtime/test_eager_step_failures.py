@@ -177,7 +177,7 @@ def test_a_failed_verification_leaves_a_separate_draft_able_to_propose(tiny, pro
     """A draft with a cache of its own counts the proposals it fed; when the verification
     forward fails, the next proposal starts again from the sequence's last token."""
     llm = LLM(tiny, speculative="preset:tiny-llama", num_speculative_tokens=2)
-    assert not llm.core.draft.shared
+    assert llm.core.draft.cache is not llm.core.cache
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     ps = [prompts[1], prompts[4]]
     seqs = [llm.add_request(p, params) for p in ps]
