@@ -50,7 +50,7 @@ def cmd_compile(a) -> None:
 
     model = compile(a.src, a.passes or "", parse_sets(a.set), calib=a.calib, calib_split=a.calib_split,
                     verify=a.verify, eval_tokens=a.eval_tokens, dtype=a.dtype, device=a.device,
-                    sampler=sample_windows, baseline=a.baseline)
+                    sampler=sample_windows, baseline=a.baseline, eval_ctx=a.eval_ctx)
     model.save(a.output, model.report, force=a.force)
     print(render_markdown(model.report))
     print(f"wrote {a.output}")
@@ -241,7 +241,10 @@ def _compile_parser(sub) -> None:
                         "with (default: src); the original model when src is an artifact to heal further")
     p.add_argument("--verify", action="store_true", help="compare logits before/after each pass")
     p.add_argument("--eval-tokens", type=int, default=None,
-                   help="held-apart tokens for the quality check (default 4096 when a pass is approximate)")
+                   help="held-apart tokens for the quality check (default 4096, at least one window, "
+                        "when a pass is approximate)")
+    p.add_argument("--eval-ctx", type=int, default=512, metavar="N",
+                   help="the quality check's window: 4096 or 8192 for what acts on long contexts (kvquant)")
     p.add_argument("-o", "--output", required=True, help="artifact folder (new, empty, or an "
                                                           "artifact to replace with --force)")
     p.add_argument("--force", action="store_true", help="replace an existing artifact at -o")

@@ -30,14 +30,15 @@ def _unfused(q, k, v, rope, *, n_heads: int, n_kv_heads: int, head_dim: int):
 
 
 def attention_rope(q, k, v, ctx, cos, sin, positions, *, layer: int, n_heads: int, n_kv_heads: int,
-                   head_dim: int, scale: float) -> torch.Tensor:
+                   head_dim: int, scale: float, kv_dtype: str | None = None) -> torch.Tensor:
     """ops.attention with q and k before their rotary embedding (cos / sin tables by position);
     k = v = None: q is the fused projection (B, T, (H + 2 Hkv) D). A context takes the tables as
     they are (the runtime's decode kernel rotates at each row's position); without a
     context (a plain causal forward) q and k are rotated here."""
     if ctx is not None:
+        coded = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
         return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                          scale=scale, rope=(cos, sin, positions))
+                          scale=scale, rope=(cos, sin, positions), **coded)
     q, k, v = _unfused(q, k, v, (cos, sin, positions), n_heads=n_heads, n_kv_heads=n_kv_heads,
                       head_dim=head_dim)
     return ops.attention(q, k, v, None, layer=layer, n_heads=n_heads, n_kv_heads=n_kv_heads,

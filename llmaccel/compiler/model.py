@@ -15,6 +15,7 @@ from llmaccel.compiler.sources import resolve
 from llmaccel.config import ModelConfig
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import get_attr, op_counts, set_weight
+from llmaccel.ops.kv_int8 import int8_layers
 from llmaccel.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -90,8 +91,15 @@ class Model:
         return executor.make_cache(self.gm, batch, max_len, self.dtype, self.device)
 
     @property
-    def kv_quantized(self) -> bool:
-        return bool(executor.kv_quant_specs(self.gm))
+    def eval_chunk(self) -> int | None:
+        """How a quality measurement feeds a window: None, in one forward with no cache; else
+        through the cache, this many tokens a forward. A quantized cache changes the model only
+        through the cache: KIVI's tokens age into its quantized store as they would while
+        decoding (32 a chunk); an int8 cache codes every token it stores, so any chunk gives
+        the same values (512 bounds the attention's masks at long contexts)."""
+        if executor.kv_quant_specs(self.gm):
+            return 32
+        return 512 if int8_layers(self.gm) else None
 
     def generate_ids(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         return executor.generate_ids(self, prompt, params)

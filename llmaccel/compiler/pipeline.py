@@ -58,15 +58,20 @@ def _verify(before: torch.Tensor, after: torch.Tensor) -> dict:
 def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "mixed",
             calib_split: str = "first-half", verify: bool = False, eval_tokens: int | None = None,
             dtype="float32", device: str = "cpu", progress: bool = True, sampler=None,
-            baseline: str | None = None) -> Model:
+            baseline: str | None = None, eval_ctx: int = 512) -> Model:
     """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how.
     sampler: what passes that generate text continue prompts with (PassContext.sampler;
     llmaccel.compile and `llmc compile` give the engine's). baseline: the model the approximate
     passes fit to and distil from and the quality check compares with, read with its tokenizer
     (default: `source` as loaded); e.g. the original model when `source` is an artifact to heal
-    further, which would otherwise be its own teacher."""
+    further, which would otherwise be its own teacher. eval_ctx: the quality check's window
+    (a long one for passes that act on long contexts: kvquant; default eval_tokens is then at
+    least one window)."""
     names, configs = _checked(passes, options or {}, calib, calib_split, eval_tokens)
     model = load(source, dtype=dtype, device=device)
+    if not 2 <= eval_ctx <= model.config.max_position:
+        raise LlmaccelError(f"eval_ctx must be 2 .. {model.config.max_position} (the model's context), "
+                            f"got {eval_ctx}")
     if not baseline and model.recipe:
         _check_own_teacher(source, names)
     reporter = Progress(progress)
@@ -88,10 +93,10 @@ def compile(source: str, passes=(), options: dict | None = None, *, calib: str =
     if verify:
         report["lowering"] = _verify_lowering(model, sample, logits)
     if eval_tokens is None:
-        eval_tokens = 4096 if reference is not None else 0
+        eval_tokens = max(4096, eval_ctx) if reference is not None else 0
     if eval_tokens:
         report["quality"] = _held_apart_quality(model, reference or load(source, dtype=dtype, device=device),
-                                                calib, calib_split, eval_tokens, progress)
+                                                calib, calib_split, eval_tokens, progress, eval_ctx)
     model.report = report
     return model
 
@@ -191,7 +196,7 @@ def _verify_lowering(model: Model, sample: torch.Tensor, logits: torch.Tensor) -
     return out
 
 
-def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress) -> dict:
+def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress, ctx: int = 512) -> dict:
     """Perplexity and KL against the source on text the passes were not calibrated on."""
     from llmaccel.eval.perplexity import evaluate
 
@@ -211,7 +216,7 @@ def _held_apart_quality(model, baseline, calib, calib_split, n_tokens, progress)
         text = f"{calib} ({split})"
     else:
         return {"skipped": "calibration used the whole file: no held-apart text"}
-    res = evaluate(model, ids, baseline=baseline, progress=progress)
+    res = evaluate(model, ids, ctx=ctx, baseline=baseline, progress=progress)
     res.update(text=text, delta_ppl_pct=100 * (res["ppl"] / res["baseline_ppl"] - 1))
     return res
 

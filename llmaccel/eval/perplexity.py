@@ -10,15 +10,11 @@ from tqdm import tqdm
 from llmaccel.errors import LlmaccelError
 from llmaccel.eval.domains import ppl_of, window_batches
 
-# Prefill chunk for graphs whose KV cache is quantized: small next to the residual window, so
-# that tokens age into the quantized store as they would while decoding.
-KV_QUANT_CHUNK = 32
-
-
 def resolve_chunk(model, chunk: int | None) -> int | None:
-    """None: a whole-window forward, unless the graph quantizes its KV cache (then 32)."""
+    """None: the model's own way (`eval_chunk`: a whole-window forward, unless the graph
+    quantizes its KV cache)."""
     if chunk is None:
-        return KV_QUANT_CHUNK if model.kv_quantized else None
+        return model.eval_chunk
     if chunk < 1:
         raise LlmaccelError(f"--chunk must be positive, got {chunk}")
     return chunk

@@ -54,6 +54,8 @@ def check_translatable(gm: torch.fx.GraphModule, table: dict) -> None:
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
+        if n.kwargs.get("kv_dtype") is not None:
+            raise LlmaccelError(refusals.KV_DTYPE)
         if n.target in table:
             continue
         raise LlmaccelError(refusals.message(n.target, op_name(n)))

@@ -18,6 +18,11 @@ REFUSED = {
 }
 
 
+# an attention node whose cache holds codes (kvquant.bits=8): ONNX Runtime's cache would not
+KV_DTYPE = ("export: kvquant.bits=8 keeps the KV cache as int8 rows inside our runtime; ONNX Runtime "
+            "keeps a plain KV cache. Export the graph compiled without kvquant")
+
+
 def message(target, name: str) -> str:
     reason = REFUSED.get(target)
     line = f"export: the IR op {name!r} has no ONNX translation"

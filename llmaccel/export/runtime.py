@@ -57,8 +57,8 @@ class OnnxModel(Model):
         self.np_dtype = np.float16 if dt == torch.float16 else np.float32
 
     @property
-    def kv_quantized(self) -> bool:
-        return False
+    def eval_chunk(self) -> int | None:
+        return None  # an exported model's cache is never quantized
 
     def new_cache(self, batch: int, max_len: int) -> OrtCache:
         past = {}

@@ -7,6 +7,10 @@ new k, v go, `block_tables` (S, max_blocks) int32, and per sequence `context_len
 in the cache after the write. Queries of a sequence are its last q_len positions (chunked prefill,
 speculative verification) and attend causally.
 
+An int8 cache (kvquant.bits=8, ops/kv_int8.py) holds int8 codes there and beside them fp16
+scales of shape (num_blocks, block_size, n_kv_heads), one per stored row; the ops take the scale
+tensors (None for a cache in the model's dtype), quantize what they write and read codes * scale.
+
 Two custom ops, both writing k, v into the cache first:
   llmaccel::paged_decode_attention   one query per sequence; Triton split-K (FlashDecoding):
                                      the context is cut into splits run in parallel, then merged
@@ -21,6 +25,7 @@ import torch
 
 from llmaccel.kernels import cdiv, sm_count
 from llmaccel.ops.attention import attend_heads
+from llmaccel.ops.kv_int8 import dequantize_rows, quantize_rows
 
 try:  # kernels are optional: every non-CUDA path must work without triton
     import triton
@@ -30,14 +35,28 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 
-def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """k, v (N, Hkv, D) into slots slot_mapping; as int8 codes with their row scales where the
+    scale tensors are given."""
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
-    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
+    idx = slot_mapping.long()
+    for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if sc is None:
+            cache.view(-1, Hkv, D).index_copy_(0, idx, x.to(cache.dtype))
+        else:
+            codes, s = quantize_rows(x)
+            cache.view(-1, Hkv, D).index_copy_(0, idx, codes)
+            sc.view(-1, Hkv).index_copy_(0, idx, s)
+
+
+def cached_rows(cache, scale, index, dtype) -> torch.Tensor:
+    """cache[index] in `dtype`: dequantized where `scale` (the int8 cache's row scales) is given."""
+    rows = cache[index]
+    return rows.to(dtype) if scale is None else dequantize_rows(rows, scale[index], dtype)
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                        scale: float) -> torch.Tensor:
+                        scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """Reference: each sequence's queries attend causally over its first context_len slots.
 
     Sequences with the same number of queries (e.g. speculative verification) run as one batch
@@ -55,8 +74,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context
         L = max(lens[s] for s in ss)
         nb = cdiv(L, bs)
         bt = block_tables[ss, :nb].long()
-        k = k_cache[bt].reshape(len(ss), nb * bs, Hkv, D)[:, :L].transpose(1, 2).to(q.dtype)
-        v = v_cache[bt].reshape(len(ss), nb * bs, Hkv, D)[:, :L].transpose(1, 2).to(q.dtype)
+        k = cached_rows(k_cache, k_scale, bt, q.dtype).reshape(len(ss), nb * bs, Hkv, D)[:, :L].transpose(1, 2)
+        v = cached_rows(v_cache, v_scale, bt, q.dtype).reshape(len(ss), nb * bs, Hkv, D)[:, :L].transpose(1, 2)
         rows = torch.tensor([list(range(cu[s], cu[s] + T)) for s in ss], device=q.device)
         last = torch.tensor([lens[s] for s in ss], device=q.device)[:, None] - T
         qpos = last + torch.arange(T, device=q.device)[None, :]  # (n, T) absolute positions
@@ -66,15 +85,16 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context
     return out
 
 
-def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                     k_scale=None, v_scale=None) -> torch.Tensor:
     """Reference for one query per sequence: all sequences at once over padded, masked keys."""
     S, H, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     nb = cdiv(max_len, bs)
     bt = block_tables[:, :nb].long()
-    k = k_cache[bt].reshape(S, nb * bs, Hkv, D)[:, :max_len].transpose(1, 2).to(q.dtype)
-    v = v_cache[bt].reshape(S, nb * bs, Hkv, D)[:, :max_len].transpose(1, 2).to(q.dtype)
+    k = cached_rows(k_cache, k_scale, bt, q.dtype).reshape(S, nb * bs, Hkv, D)[:, :max_len].transpose(1, 2)
+    v = cached_rows(v_cache, v_scale, bt, q.dtype).reshape(S, nb * bs, Hkv, D)[:, :max_len].transpose(1, 2)
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
     o = attend_heads(q[:, :, None, :], k, v, scale=scale, mask=mask[:, None, None, :])
     return o[:, :, 0, :]
@@ -90,11 +110,11 @@ if triton is not None:
     # lengths, views that start after the decode rows. A new divisibility or alignment would
     # compile a variant in the middle of a running load (seconds, every request waiting).
     @triton.jit(do_not_specialize=["sbt"], do_not_specialize_on_alignment=["BT", "LENS"])
-    def _paged_prefill_kernel(Q, KC, VC, O, BT, CU, LENS, scale,
+    def _paged_prefill_kernel(Q, KC, VC, KS, VS, O, BT, CU, LENS, scale,
                               sq_n, sq_h, so_n, so_h, sk_b, sk_s, sk_h, sbt,
                               GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              IEEE: tl.constexpr):
+                              IEEE: tl.constexpr, QUANT: tl.constexpr):
         s = tl.program_id(0)
         h = tl.program_id(1)
         mt = tl.program_id(2)
@@ -120,12 +140,14 @@ if triton is not None:
                 blk = tl.load(BT + s * sbt + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
                 base = blk * sk_b + (offs_n % BS) * sk_s + kvh * sk_h
                 kv_mask = n_ok[:, None] & d_ok[None, :]
-                k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
                 if IEEE:
                     qk = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     qk = tl.dot(q, tl.trans(k))
                 qk = qk * scale
+                if QUANT:  # codes * row scale: the scale of each key multiplies its column
+                    qk = qk * tl.load(KS + base // D, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 visible = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
                 qk = tl.where(visible, qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -133,7 +155,9 @@ if triton is not None:
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+                if QUANT:  # and the scale of each value its weight
+                    p = p * tl.load(VS + base // D, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 if IEEE:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
@@ -150,23 +174,40 @@ if triton is not None:
                 tl.zeros([BLOCK_G, BLOCK_D], tl.float32))
 
     @triton.jit
-    def _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    def _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, ks, vs, IEEE: tl.constexpr,
+                       QUANT: tl.constexpr):
         """One block of keys k and values v (N, D), n_ok of them real, for query rows q (G, D)
-        in an online softmax: returns the running max, sum and (unnormalized) output."""
+        in an online softmax: returns the running max, sum and (unnormalized) output. QUANT: k
+        and v are int8 codes (in q's dtype) with row scales ks, vs (N,) fp32."""
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
+        if QUANT:
+            qk = qk * ks[None, :]
         qk = tl.where(n_ok[None, :], qk * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT:
+            p = p * vs[None, :]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _row_scales(KS, VS, rows, ok, QUANT: tl.constexpr):
+        """The int8 cache's key and value scales of slots `rows` (fp32); with QUANT off, nothing
+        is read (KS, VS may point anywhere) and the zeros returned are never used."""
+        ks = tl.zeros(rows.shape, tl.float32)
+        vs = tl.zeros(rows.shape, tl.float32)
+        if QUANT:
+            ks = tl.load(KS + rows, mask=ok, other=0.0).to(tl.float32)
+            vs = tl.load(VS + rows, mask=ok, other=0.0).to(tl.float32)
+        return ks, vs
 
     @triton.jit
     def _group_queries(Q, kvh, sq_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
@@ -192,11 +233,11 @@ if triton is not None:
         return acc, lse
 
     @triton.jit(do_not_specialize=["split_len", "sbt", "smo_s", "smo_h", "sml_s", "sml_h"])
-    def _paged_decode_kernel(Q, KC, VC, MID_O, MID_LSE, BT, LENS, scale, split_len,
+    def _paged_decode_kernel(Q, KC, VC, KS, VS, MID_O, MID_LSE, BT, LENS, scale, split_len,
                              sq_n, sq_h, sk_b, sk_s, sk_h, sbt, smo_s, smo_h, smo_p, sml_s, sml_h,
                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, QUANT: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -211,9 +252,10 @@ if triton is not None:
             blk = tl.load(BT + s * sbt + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
             base = blk * sk_b + (offs_n % BS) * sk_s + kvh * sk_h
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
+            k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            ks, vs = _row_scales(KS, VS, base // D, n_ok, QUANT)
+            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, ks, vs, IEEE, QUANT)
         acc, lse = _softmax_result(acc, l_i, m_i)
         tl.store(MID_O + s * smo_s + heads[:, None] * smo_h + sp * smo_p + offs_d[None, :], acc,
                  mask=g_ok[:, None] & d_ok[None, :])
@@ -251,8 +293,20 @@ def _check(q, k_cache, v_cache, block_tables, context_lens):
         raise ValueError("paged attention: block_tables and context_lens disagree on the batch")
 
 
+def scale_args(k_cache, k_scale, v_scale) -> tuple:
+    """(KS, VS, QUANT) for a kernel: an int8 cache's row scales (the kernels find a slot's
+    scale at its code offset // head_dim: both contiguous), or the cache itself, unread."""
+    if k_scale is None:
+        return k_cache, k_cache, False
+    if not (k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
+            and k_scale.shape == k_cache.shape[:3] == v_scale.shape):
+        raise ValueError(f"paged attention: int8 cache {tuple(k_cache.shape)} and its scales "
+                         f"{tuple(k_scale.shape)} must be contiguous, one scale per slot and KV head")
+    return k_scale, v_scale, True
+
+
 def paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale: float,
-                         max_q_len: int) -> torch.Tensor:
+                         max_q_len: int, k_scale=None, v_scale=None) -> torch.Tensor:
     """Triton varlen causal attention over the paged cache (the KV write happens before)."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
     N, H, D = q.shape
@@ -265,12 +319,13 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     BLOCK_M = 16 if max_q_len <= 16 else (32 if BLOCK_D > 64 else 64)
     BLOCK_N = 32 if BLOCK_D > 64 else 64
     grid = (S, H, cdiv(max_q_len, BLOCK_M))
+    ks, vs, quant = scale_args(k_cache, k_scale, v_scale)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale,
+        q, k_cache, v_cache, ks, vs, out, block_tables, cu_seqlens_q, context_lens, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=H // k_cache.shape[2], BS=k_cache.shape[1], D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, QUANT=quant)
     return out
 
 
@@ -306,7 +361,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """Triton split-K decode attention: one query per sequence over its paged context.
 
     The split count depends only on shapes (the block-table width bounds the context), never on
@@ -325,59 +380,69 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: 
     mid_o = torch.empty((S, H, n, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((S, H, n), dtype=torch.float32, device=q.device)
     G = H // Hkv
+    ks, vs, quant = scale_args(k_cache, k_scale, v_scale)
     _paged_decode_kernel[(S, Hkv, n)](
-        q, k_cache, v_cache, mid_o, mid_lse, block_tables, context_lens, scale, split_len,
+        q, k_cache, v_cache, ks, vs, mid_o, mid_lse, block_tables, context_lens, scale, split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, QUANT=quant)
     merge_splits(mid_o, mid_lse, out)
     return out
 
 
 # --------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("llmaccel::paged_decode_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("llmaccel::paged_decode_attention",
+                         mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, *,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
                            scale: float) -> torch.Tensor:
-    """Write k, v (S, Hkv, D) at slot_mapping, then attend q (S, H, D) over each context."""
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """Write k, v (S, Hkv, D) at slot_mapping, then attend q (S, H, D) over each context;
+    k_scale, v_scale: the row scales of an int8 cache."""
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 
-@torch.library.custom_op("llmaccel::paged_prefill_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("llmaccel::paged_prefill_attention",
+                         mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, *, scale: float,
+                            context_lens: torch.Tensor, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, *, scale: float,
                             max_q_len: int) -> torch.Tensor:
     """Write k, v (N, Hkv, D) at slot_mapping, then causal attention of q (N, H, D) per sequence."""
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                               k_scale, v_scale)
 
 
 @paged_decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, *, scale):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, k_scale=None, v_scale=None,
+      *, scale):
     return torch.empty_like(q)
 
 
 @paged_prefill_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q, context_lens, *, scale,
-      max_q_len):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q, context_lens, k_scale=None,
+      v_scale=None, *, scale, max_q_len):
     return torch.empty_like(q)
 
 
 if triton is not None:
     @paged_decode_attention.register_kernel("cuda")
-    def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, *, scale):
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-        return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, k_scale=None,
+          v_scale=None, *, scale):
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                   k_scale=k_scale, v_scale=v_scale)
 
     @paged_prefill_attention.register_kernel("cuda")
-    def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q, context_lens, *,
-          scale, max_q_len):
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, cu_seqlens_q, context_lens,
+          k_scale=None, v_scale=None, *, scale, max_q_len):
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return paged_prefill_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                    scale, max_q_len)
+                                    scale, max_q_len, k_scale, v_scale)

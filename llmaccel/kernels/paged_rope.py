@@ -8,7 +8,8 @@ split merge) for a decode step of the runtime.
       each row's new token; block_tables (B, W) int32; cos / sin (max_len, D) fp32 tables.
       Rotates q and k at pos (rotate-half layout, as ops.rope), writes k, v at slot
       table[pos // bs] * bs + pos % bs of the paged cache (blocks, bs, Hkv, D), and returns
-      softmax(q K[0..pos]^T * scale) V[0..pos] per row.
+      softmax(q K[0..pos]^T * scale) V[0..pos] per row. k_scale, v_scale (trailing, optional):
+      the row scales of an int8 cache (kernels/paged_attention.py), which then holds codes.
 
 Without it a decode layer spends the rotation's pointwise kernels, two index_copy_ writes and
 the attention (docs/runtime.md); at one row on small models, launches are the cost. The Triton
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from llmaccel.kernels import pdl_enabled, registered, sm_count, unit_stride
-from llmaccel.kernels.paged_attention import decode_splits, paged_decode_ref, write_kv_ref
+from llmaccel.kernels.paged_attention import (cached_rows, decode_splits, paged_decode_ref, scale_args,
+                                              write_kv_ref)
 
 try:
     import triton
@@ -56,14 +58,17 @@ def slots_of(pos: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> 
     return blk * block_size + pos % block_size
 
 
-def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float):
+def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
+                          k_scale=None, v_scale=None):
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
     q, k = rope_rows(q, cos, sin, pos), rope_rows(k, cos, sin, pos)
-    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, k_cache.shape[1]))
-    return paged_decode_ref(q, k_cache, v_cache, block_tables, (pos + 1).to(torch.int32), scale)
+    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, k_cache.shape[1]), k_scale, v_scale)
+    return paged_decode_ref(q, k_cache, v_cache, block_tables, (pos + 1).to(torch.int32), scale,
+                            k_scale, v_scale)
 
 
-def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float):
+def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
+                             k_scale=None, v_scale=None):
     """The op's values without a host read: every row attends over its whole table (B, W), the
     slots past pos masked. What a compiled CPU decode step traces (Inductor fuses the rotation,
     the gather and the mask; the width is the shape's, at most twice the longest context)."""
@@ -73,10 +78,10 @@ def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     q, k = qk[:, :nq], qk[:, nq:]
     B, W = block_tables.shape
     BS, Hkv, D = k_cache.shape[1:]
-    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS))
+    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS), k_scale, v_scale)
     bt = block_tables.long()
-    kb = k_cache[bt].reshape(B, W * BS, Hkv, D).transpose(1, 2).to(q.dtype)   # (B, Hkv, L, D)
-    vb = v_cache[bt].reshape(B, W * BS, Hkv, D).transpose(1, 2).to(q.dtype)
+    kb = cached_rows(k_cache, k_scale, bt, q.dtype).reshape(B, W * BS, Hkv, D).transpose(1, 2)   # (B, Hkv, L, D)
+    vb = cached_rows(v_cache, v_scale, bt, q.dtype).reshape(B, W * BS, Hkv, D).transpose(1, 2)
     mask = torch.arange(W * BS, device=q.device)[None, :] <= pos[:, None]
     H = q.shape[1]
     o = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), kb, vb, attn_mask=mask[:, None, None, :],
@@ -89,33 +94,34 @@ def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
 CPU_ROWS = 8
 
 
-def paged_rope_decode_cpu(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float):
+def paged_rope_decode_cpu(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
+                          k_scale=None, v_scale=None):
     """The op's values on a CPU for eager decode steps, in a few aten calls a row: the custom
     op's dispatch and the reference's padded, masked batch cost ~0.5 ms a layer at one row of
     SmolLM2-135M on 2 cores, several times the attention itself. Up to CPU_ROWS rows, else the
     reference. Reads pos on the host (a CPU tensor: no device sync)."""
     B = q.shape[0]
     if B > CPU_ROWS:
-        return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
+        return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale,
+                                     k_scale, v_scale)
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
     # q and k rotated together: one lookup of the tables' rows
     nq = q.shape[1]
     qk = rope_rows(torch.cat((q, k), 1), cos, sin, pos)
     q, k = qk[:, :nq], qk[:, nq:]
     BS, Hkv, D = k_cache.shape[1:]
-    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS))
+    write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS), k_scale, v_scale)
     H = q.shape[1]
     out = q.new_empty(q.shape)
     for b, length in enumerate((pos + 1).tolist()):
         n = -(-length // BS)
         ids = block_tables[b, :n].tolist()
         if ids == list(range(ids[0], ids[0] + n)):  # blocks in order (a lone request's): a view
-            kb, vb = k_cache[ids[0]: ids[0] + n], v_cache[ids[0]: ids[0] + n]
+            blk = slice(ids[0], ids[0] + n)
         else:
             blk = block_tables[b, :n].long()
-            kb, vb = k_cache[blk], v_cache[blk]
-        kb = kb.reshape(-1, Hkv, D)[:length].transpose(0, 1).to(q.dtype)   # (Hkv, L, D)
-        vb = vb.reshape(-1, Hkv, D)[:length].transpose(0, 1).to(q.dtype)
+        kb = cached_rows(k_cache, k_scale, blk, q.dtype).reshape(-1, Hkv, D)[:length].transpose(0, 1)  # (Hkv, L, D)
+        vb = cached_rows(v_cache, v_scale, blk, q.dtype).reshape(-1, Hkv, D)[:length].transpose(0, 1)
         o = F.scaled_dot_product_attention(q[b].view(Hkv, H // Hkv, D), kb, vb, scale=scale)
         out[b] = o.reshape(H, D)
     return out
@@ -124,24 +130,40 @@ def paged_rope_decode_cpu(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
 if triton is not None:
     from triton.language.extra import cuda as _tl_cuda
 
-    from llmaccel.kernels.paged_attention import (_group_queries, _softmax_block, _softmax_init,
-                                                  _softmax_result, merge_splits)
+    from llmaccel.kernels.paged_attention import (_group_queries, _row_scales, _softmax_block,
+                                                  _softmax_init, _softmax_result, merge_splits)
 
     @triton.jit
-    def _new_token(KR, VR, KC, VC, BTR, P, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, c, s, q, m_i, l_i,
-                   acc, scale, D: tl.constexpr, BS: tl.constexpr):
+    def _stored(x, XC, XS, slot, row, d_ok, dt, QUANT: tl.constexpr):
+        """x (D,) written at XC + slot, as codes with its row scale at XS + row where QUANT (the
+        int8 cache: kv_int8.quantize_rows); returned as a reader gets it back (dt, in fp32)."""
+        if QUANT:
+            xf = x.to(tl.float32)
+            sc = (tl.max(tl.where(d_ok, tl.abs(xf), 0.0), 0) * (1.0 / 127)).to(tl.float16)
+            s32 = sc.to(tl.float32)
+            inv = tl.where(s32 > 0, 1.0 / tl.where(s32 > 0, s32, 1.0), 0.0)
+            code = tl.minimum(tl.maximum(tl.floor(xf * inv + 0.5), -127.0), 127.0)
+            tl.store(XC + slot, code.to(tl.int8), mask=d_ok)
+            tl.store(XS + row, sc)
+            back = (code * s32).to(dt).to(tl.float32)
+        else:
+            tl.store(XC + slot, x.to(XC.dtype.element_ty), mask=d_ok)
+            back = x.to(XC.dtype.element_ty).to(dt).to(tl.float32)
+        return back
+
+    @triton.jit
+    def _new_token(KR, VR, KC, VC, KS, VS, BTR, P, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, c, s, q,
+                   m_i, l_i, acc, scale, D: tl.constexpr, BS: tl.constexpr, QUANT: tl.constexpr):
         """The row's new key (rotated) and value (at KR, VR) stored at slot P of its table
         (BTR), and attended: the softmax state with them."""
         kn = tl.load(KR + offs_d, mask=d_ok, other=0.0)
         vn = tl.load(VR + offs_d, mask=d_ok, other=0.0)
         kn = _rotate(kn, KR, 0, 0, offs_d, d_ok, c, s, D)
         blk = tl.load(BTR + P // BS).to(tl.int64)
-        slot = blk * sc_blk + (P % BS) * sc_s + kvh * sc_h + offs_d
-        tl.store(KC + slot, kn.to(KC.dtype.element_ty), mask=d_ok)
-        tl.store(VC + slot, vn.to(VC.dtype.element_ty), mask=d_ok)
+        base = blk * sc_blk + (P % BS) * sc_s + kvh * sc_h
         # the new key and value in the cache's precision, as the reference reads them back
-        kn = kn.to(KC.dtype.element_ty).to(q.dtype).to(tl.float32)
-        vn = vn.to(VC.dtype.element_ty).to(q.dtype).to(tl.float32)
+        kn = _stored(kn, KC, KS, base + offs_d, base // D, d_ok, q.dtype, QUANT)
+        vn = _stored(vn, VC, VS, base + offs_d, base // D, d_ok, q.dtype, QUANT)
         qk = tl.sum(q.to(tl.float32) * kn[None, :], 1) * scale
         m_new = tl.maximum(m_i, qk)
         alpha = tl.exp(m_i - m_new)
@@ -169,10 +191,10 @@ if triton is not None:
         return c, s
 
     @triton.jit
-    def _kv_tile(KC, VC, BT, n0, stop, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, dt,
-                 BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _kv_tile(KC, VC, KS, VS, BT, n0, stop, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, dt,
+                 BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
         """Cached keys and values n0 .. n0 + BLOCK_N (those below stop) of one KV head, through
-        the row's block table BT; with their mask."""
+        the row's block table BT; with their mask and (QUANT) their row scales."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
         blk = tl.load(BT + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
@@ -180,16 +202,17 @@ if triton is not None:
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(KC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
         v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dt)
-        return k, v, n_ok
+        ks, vs = _row_scales(KS, VS, base // D, n_ok, QUANT)
+        return k, v, n_ok, ks, vs
 
     @triton.jit
-    def _paged_rope_decode_kernel(Q, K, V, KC, VC, POS, BT, O, MID_O, MID_LSE, COS, SIN, scale,
+    def _paged_rope_decode_kernel(Q, K, V, KC, VC, KS, VS, POS, BT, O, MID_O, MID_LSE, COS, SIN, scale,
                                   sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_blk, sc_s, sc_h,
                                   sbt, s_cos, so_b, so_h, smo_s, smo_h, smo_p, sml_s, sml_h,
                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BS: tl.constexpr,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                                   SPLIT: tl.constexpr, IEEE: tl.constexpr, PEEL: tl.constexpr,
-                                  PDL: tl.constexpr):
+                                  PDL: tl.constexpr, QUANT: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -210,8 +233,8 @@ if triton is not None:
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
             c, s = _rope_row(COS, SIN, P, s_cos, offs_d, d_ok, dt)
-            k0, v0, n_ok0 = _kv_tile(KC, VC, BT + b * sbt, start, stop, kvh, sc_blk, sc_s, sc_h,
-                                     offs_d, d_ok, dt, BS, BLOCK_N)  # the first tile of keys
+            k0, v0, n_ok0, ks0, vs0 = _kv_tile(KC, VC, KS, VS, BT + b * sbt, start, stop, kvh, sc_blk, sc_s,
+                                               sc_h, offs_d, d_ok, dt, BS, BLOCK_N, D, QUANT)  # first tile
         if PDL:
             _tl_cuda.gdc_launch_dependents()
             _tl_cuda.gdc_wait()
@@ -223,16 +246,17 @@ if triton is not None:
         m_i, l_i, acc = _softmax_init(BLOCK_G, BLOCK_D)
         if PEEL:
             if start < stop:
-                m_i, l_i, acc = _softmax_block(q, k0, v0, n_ok0, m_i, l_i, acc, scale, IEEE)
+                m_i, l_i, acc = _softmax_block(q, k0, v0, n_ok0, m_i, l_i, acc, scale, ks0, vs0, IEEE,
+                                               QUANT)
             first = start + BLOCK_N
         for n0 in range(first, stop, BLOCK_N):
-            k, v, n_ok = _kv_tile(KC, VC, BT + b * sbt, n0, stop, kvh, sc_blk, sc_s, sc_h, offs_d,
-                                  d_ok, dt, BS, BLOCK_N)
-            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, IEEE)
+            k, v, n_ok, ks, vs = _kv_tile(KC, VC, KS, VS, BT + b * sbt, n0, stop, kvh, sc_blk, sc_s,
+                                          sc_h, offs_d, d_ok, dt, BS, BLOCK_N, D, QUANT)
+            m_i, l_i, acc = _softmax_block(q, k, v, n_ok, m_i, l_i, acc, scale, ks, vs, IEEE, QUANT)
         if (P >= start) & (P < start + split_len):  # this split owns slot pos
             m_i, l_i, acc = _new_token(K + b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h, KC, VC,
-                                       BT + b * sbt, P, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok, c, s,
-                                       q, m_i, l_i, acc, scale, D, BS)
+                                       KS, VS, BT + b * sbt, P, kvh, sc_blk, sc_s, sc_h, offs_d, d_ok,
+                                       c, s, q, m_i, l_i, acc, scale, D, BS, QUANT)
         acc, lse = _softmax_result(acc, l_i, m_i)
         om = g_ok[:, None] & d_ok[None, :]
         if SPLIT:
@@ -268,7 +292,8 @@ def decode_block_n(B: int, block_d: int) -> int:
 def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
                              num_splits: int | None = None, block_n: int | None = None,
                              num_warps: int = 4, num_stages: int = 3,
-                             pdl: bool | None = None, peel: bool | None = None) -> torch.Tensor:
+                             pdl: bool | None = None, peel: bool | None = None,
+                             k_scale=None, v_scale=None) -> torch.Tensor:
     """pdl: launched early behind the kernel before (programmatic dependent launch), reading what
     does not depend on it before waiting, and letting the kernel after launch early too (the
     next projection's GEMV then reads its weights while this one runs). None: at one row where
@@ -297,15 +322,16 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     G = H // Hkv
     if pdl is None:
         pdl = B == 1 and pdl_enabled(q)
+    ks, vs, quant = scale_args(k_cache, k_scale, v_scale)
     _paged_rope_decode_kernel[(B, Hkv, n)](
-        q, k, v, k_cache, v_cache, pos, block_tables, out, mid_o, mid_lse, cos, sin, scale,
+        q, k, v, k_cache, v_cache, ks, vs, pos, block_tables, out, mid_o, mid_lse, cos, sin, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), cos.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=G, BLOCK_G=max(16, triton.next_power_of_2(G)), BS=BS, D=D, BLOCK_D=BLOCK_D,
         BLOCK_N=BLOCK_N, SPLIT=n > 1, IEEE=q.dtype == torch.float32,
-        PEEL=pdl if peel is None else peel, PDL=pdl, num_warps=num_warps,
+        PEEL=pdl if peel is None else peel, PDL=pdl, QUANT=quant, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     if n > 1:
         merge_splits(mid_o, mid_lse, out, pdl)
@@ -313,23 +339,28 @@ def paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
 
 
 if not registered("paged_rope_decode_attention"):
-    @torch.library.custom_op("llmaccel::paged_rope_decode_attention", mutates_args=("k_cache", "v_cache"))
+    @torch.library.custom_op("llmaccel::paged_rope_decode_attention",
+                             mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
     def paged_rope_decode_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                                    block_tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                                    scale: float) -> torch.Tensor:
+                                    block_tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                    k_scale: torch.Tensor | None = None,
+                                    v_scale: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
         """Rotate q, k at pos, write k, v at pos's slot, attend q over slots 0 .. pos per row;
         k = v = None: q is (B, H + 2 Hkv, D). On CUDA at one row it launches early behind the
         kernel before (PDL) and reads pos, block_tables, cos, sin and the cache before waiting
         for it: only q, k, v may come from that kernel (in the decode step, the projection)."""
-        return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
+        return paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale,
+                                     k_scale, v_scale)
 
     @paged_rope_decode_attention.register_fake
-    def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
+    def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, k_scale=None, v_scale=None, *, scale):
         B, H, D = split_fused(q, k, v, k_cache.shape[2])[0].shape
         return q.new_empty((B, H, D))
 
     if triton is not None:
         @paged_rope_decode_attention.register_kernel("cuda")
-        def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, *, scale):
-            return paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale)
+        def _(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, k_scale=None, v_scale=None, *,
+              scale):
+            return paged_rope_decode_triton(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale,
+                                            k_scale=k_scale, v_scale=v_scale)

@@ -64,17 +64,20 @@ def rope(x: torch.Tensor, positions: torch.Tensor, *, head_dim: int, theta: floa
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, *, layer: int, n_heads: int,
-              n_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+              n_kv_heads: int, head_dim: int, scale: float, kv_dtype: str | None = None) -> torch.Tensor:
     """Causal GQA attention on (B, T, H * head_dim) inputs.
 
     `ctx` binds the op to a KV cache at run time: None means a fresh causal prefill with no
     cache; otherwise the context stores k/v for `layer` and attends over everything it holds.
+    kv_dtype: "int8", the layer's cache holds int8 codes with a scale per row (ops/kv_int8.py);
+    None: the model's dtype.
     """
     if ctx is None:
         return causal_attention(q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                 head_dim=head_dim, scale=scale)
+    coded = {} if kv_dtype is None else {"kv_dtype": kv_dtype}  # only contexts that hold codes take it
     return ctx.attend(layer, q, k, v, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                      head_dim=head_dim, scale=scale)
+                      head_dim=head_dim, scale=scale, **coded)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,11 @@
-"""kvquant: KIVI KV-cache quantization (keys per channel, values per token, recent tokens exact).
+"""kvquant: KV-cache quantization. bits=8: int8 rows; bits=4 or 2: KIVI (keys per channel,
+values per token, recent tokens exact).
 
-The pass rewrites every `attention` node into `kv_quant_attention` carrying the spec as its
-`kv_quant` kwarg; weights are untouched. The spec takes effect in the attention context
+bits=8 keeps every `attention` node and marks it kv_dtype="int8" (ops/kv_int8.py: int8 codes,
+an fp16 scale per token and KV head, no calibration); the paged cache then holds codes, on the
+decode runner as a cache of the model's dtype (CUDA graphs, prefix caching, speculative
+decoding). bits=4/2 rewrite every `attention` node into `kv_quant_attention` carrying the KIVI
+spec as its `kv_quant` kwarg. Weights are untouched. The spec takes effect in the attention context
 (llmaccel.compiler.executor.make_cache builds a QuantizedKVCache from it): a whole-sequence
 forward with no cache is unchanged, so quality is measured through the cache with chunked
 prefill (`llmc eval` does this automatically for such graphs).
@@ -16,6 +20,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.kv_int8 import SCALE_DTYPE
 from llmaccel.ops.kvquant import bytes_per_token, kv_quant_attention, make_spec
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.ir import op_nodes
@@ -23,7 +28,7 @@ from llmaccel.ir import op_nodes
 
 @dataclass
 class KVQuantConfig:
-    bits: Literal[4, 2] = 4
+    bits: Literal[8, 4, 2] = 4
     # keys: tokens per (scale, min) group; values: channels per group (at most head_dim).
     # 0 = by bits: 32 at 4 bits; 16 at 2 bits, where 32 costs SmolLM2-135M +14% ppl and 16
     # about half that, at fewer bytes than keeping 32 and narrowing the value groups.
@@ -31,8 +36,10 @@ class KVQuantConfig:
     residual: int = 128   # most recent tokens kept in full precision; a multiple of group
 
     def __post_init__(self):
-        if self.bits not in (2, 4):
-            raise LlmaccelError(f"kvquant.bits must be 4 or 2, got {self.bits}")
+        if self.bits not in (2, 4, 8):
+            raise LlmaccelError(f"kvquant.bits must be 8, 4 or 2, got {self.bits}")
+        if self.bits == 8:  # int8 rows: group and residual are KIVI's
+            return
         if self.group == 0:
             self.group = 32 if self.bits == 4 else 16
         if self.group < 1:
@@ -44,7 +51,7 @@ class KVQuantConfig:
 
 class KVQuant(Pass):
     name = "kvquant"
-    summary = "KIVI KV cache: 4/2-bit, keys per channel, values per token, recent tokens exact"
+    summary = "KV cache: int8 rows (bits=8), or KIVI 4/2-bit (keys per channel, values per token, recent tokens exact)"
     exact = False
     config_cls = KVQuantConfig
 
@@ -53,6 +60,8 @@ class KVQuant(Pass):
         nodes = op_nodes(gm, ops.attention, kv_quant_attention)
         if not nodes:
             raise LlmaccelError("kvquant: the graph has no attention node to quantize")
+        if c.bits == 8:
+            return self._int8(gm, nodes)
         per_token, bf16 = 0.0, 0
         for n in nodes:
             kw = dict(n.kwargs)
@@ -66,6 +75,22 @@ class KVQuant(Pass):
                  "value_group": spec["value_group"],
                  "kv_bytes_per_token": round(per_token, 1), "bf16_bytes_per_token": bf16,
                  "compression": round(bf16 / per_token, 2)}
+        return PassResult(gm, len(nodes), stats)
+
+    @staticmethod
+    def _int8(gm, nodes) -> PassResult:
+        if any(n.target is not ops.attention for n in nodes):
+            raise LlmaccelError("kvquant: this graph's cache is KIVI-quantized already")
+        per_token = 0
+        for n in nodes:
+            n.kwargs = {**n.kwargs, "kv_dtype": "int8"}
+            h, d = n.kwargs["n_kv_heads"], n.kwargs["head_dim"]
+            per_token += 2 * h * (d + SCALE_DTYPE.itemsize)
+        bf16 = sum(4 * n.kwargs["n_kv_heads"] * n.kwargs["head_dim"] for n in nodes)
+        stats = {"layers": len(nodes), "bits": 8, "format": "int8, a fp16 scale per token and KV head",
+                 "kv_bytes_per_token": per_token, "bf16_bytes_per_token": bf16,
+                 "compression": round(bf16 / per_token, 2)}
+        gm.recompile()
         return PassResult(gm, len(nodes), stats)
 
 

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from llmaccel.errors import LlmaccelError
+from llmaccel.ops.kv_int8 import int8_layers
 from llmaccel.ops.sla import state_bytes
 from llmaccel.runtime.block_manager import BlockManager
 from llmaccel.runtime.kivi_blocks import KiviBlockManager
@@ -100,13 +101,19 @@ class PagedBackend(CacheBackend):
     name = "paged"
 
     def __init__(self, layers, *, tokens: int, block_size: int, dtype, device, max_num_seqs: int,
-                 max_position: int, prefix_caching: bool):
+                 max_position: int, prefix_caching: bool, int8: frozenset[int] = frozenset()):
         num_blocks = tokens // block_size
         if num_blocks < 1:
             raise LlmaccelError(f"kv_cache_tokens={tokens} holds no block of {block_size} tokens")
-        self.cache = PagedKVCache(layers, num_blocks + 1, block_size, dtype, device)
+        self.cache = PagedKVCache(layers, num_blocks + 1, block_size, dtype, device, int8)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.max_num_seqs, self.max_blocks = max_num_seqs, -(-max_position // block_size)
+        self.bytes_per_token = PagedKVCache.bytes_per_token(layers, dtype, int8)
+        self.kv_dtype = "int8" if int8 else str(dtype).removeprefix("torch.")
+
+    def metrics(self) -> dict:
+        return dict(kv_dtype=self.kv_dtype, kv_bytes_per_token=self.bytes_per_token,
+                    kv_cache_tokens=self.bm.num_blocks * self.bm.block_size)
 
 
 class KiviBackend(CacheBackend):
@@ -227,12 +234,13 @@ def make_backend(gm, cfg, layers, *, dtype, device, block_size: int, kv_cache_to
         budget = None if kv_cache_tokens is not None else budget_tokens(device, cfg, 1, max_batched, fraction)
         return KiviBackend(layers, kivi, tokens=kv_cache_tokens, budget=budget, dtype=dtype, device=device,
                            max_num_seqs=max_num_seqs, max_batched=max_batched)
-    bpt = PagedKVCache.bytes_per_token(layers, dtype) + extra_bytes_per_token
+    int8 = frozenset(int8_layers(gm))
+    bpt = PagedKVCache.bytes_per_token(layers, dtype, int8) + extra_bytes_per_token
     tokens = kv_cache_tokens if kv_cache_tokens is not None else budget_tokens(
         device, cfg, bpt, max_batched, fraction)
     return PagedBackend(layers, tokens=tokens, block_size=block_size, dtype=dtype, device=device,
                         max_num_seqs=max_num_seqs, max_position=cfg.max_position,
-                        prefix_caching=prefix_caching)
+                        prefix_caching=prefix_caching, int8=int8)
 
 
 __all__ = ["CacheBackend", "check_speculative", "PagedBackend", "KiviBackend", "SlaBackend", "make_backend", "budget_tokens",

@@ -12,6 +12,7 @@ import torch
 
 from llmaccel.errors import LlmaccelError
 from llmaccel.ir import attention_layers
+from llmaccel.ops.kv_int8 import int8_layers
 from llmaccel.runtime.cache_backend import check_speculative, make_backend
 from llmaccel.runtime.decode_steps import DecodeSteps
 from llmaccel.runtime.detokenize import detok_of, find_stop
@@ -44,12 +45,13 @@ class EngineCore:
         self.k_max = max(1, num_speculative_tokens)
         draft_model, draft_name = draft_source(model, speculative, dtype=self.dtype, device=self.device)
         draft_layers = attention_layers(draft_model.gm) if draft_model is not None else None
+        draft_int8 = frozenset(int8_layers(draft_model.gm)) if draft_model is not None else frozenset()
         capture = str(self.device).startswith("cuda") and cuda_graphs
         self.backend = make_backend(
             model.gm, self.cfg, layers, dtype=self.dtype, device=self.device, block_size=block_size,
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_batched=max_num_batched_tokens,
             fraction=gpu_memory_utilization, capture=capture, prefix_caching=enable_prefix_caching,
-            extra_bytes_per_token=PagedKVCache.bytes_per_token(draft_layers, self.dtype)
+            extra_bytes_per_token=PagedKVCache.bytes_per_token(draft_layers, self.dtype, draft_int8)
             if draft_layers else 0)
         self.cache, self.bm = self.backend.cache, self.backend.bm
         self.runner = ModelRunner(model, self.backend, capture=capture, compile=compile)
@@ -60,7 +62,8 @@ class EngineCore:
         if speculative == "ngram":
             self.draft = NgramDraft()
         elif draft_model is not None:
-            dcache = PagedKVCache(draft_layers, self.bm.num_blocks, block_size, self.dtype, self.device)
+            dcache = PagedKVCache(draft_layers, self.bm.num_blocks, block_size, self.dtype, self.device,
+                                  draft_int8)
             self.draft = ModelDraft(runtime_graph(draft_model.gm), dcache, device=self.device, name=draft_name)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.decode = DecodeSteps(self) if self.runner.decode is not None else None
@@ -164,7 +167,8 @@ class EngineCore:
     def metrics(self) -> dict:
         s = dict(self.stats)
         bm = self.bm
-        s.update(preemptions=self.sched.preemptions, kv_blocks_used=bm.num_used,
+        s.update(preemptions=self.sched.preemptions, running_peak=self.sched.running_peak,
+                 kv_blocks_used=bm.num_used,
                  kv_blocks_total=bm.num_blocks, block_size=bm.block_size,
                  prefix_cache_hit_tokens=bm.hit_tokens, prefix_caching=bm.prefix_caching,
                  speculative=None if self.draft is None else self.draft.name,

@@ -87,10 +87,12 @@ class DecodeContext(StepContext):
     def __init__(self, cache: PagedKVCache, pos: torch.Tensor, tables: torch.Tensor):
         self.cache, self.tables, self.pos = cache, tables, pos
 
-    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None, **_):
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, rope=None, kv_dtype=None,
+               **_):
         """rope: (cos, sin, positions) when q and k still lack their rotary embedding (graphs
         rewritten by fuse_rope); k = v = None: q is the fused projection."""
         B = q.shape[1]
+        kc, vc, ks, vs = self.cache.layer(layer, kv_dtype is not None)
         if rope is not None:  # one launch: RoPE, the KV write and the attention
             if k is None:
                 args = (q.reshape(B, n_heads + 2 * n_kv_heads, head_dim), None, None)
@@ -103,15 +105,14 @@ class DecodeContext(StepContext):
             fn = torch.ops.llmaccel.paged_rope_decode_attention
             if q.device.type == "cpu":
                 fn = paged_rope_decode_masked if torch.compiler.is_compiling() else paged_rope_decode_cpu
-            out = fn(*args, self.cache.k[layer], self.cache.v[layer], self.pos, self.tables, *rope[:2],
-                     scale=scale)
+            out = fn(*args, kc, vc, self.pos, self.tables, *rope[:2], k_scale=ks, v_scale=vs, scale=scale)
             return out.reshape(1, B, n_heads * head_dim)
         # graphs without fuse_rope's pattern (GPT-2): the slot and length of each row here
         out = torch.ops.llmaccel.paged_decode_attention(
             q.reshape(B, n_heads, head_dim), k.reshape(B, n_kv_heads, head_dim),
-            v.reshape(B, n_kv_heads, head_dim), self.cache.k[layer], self.cache.v[layer],
+            v.reshape(B, n_kv_heads, head_dim), kc, vc,
             slots_of(self.pos, self.tables, self.cache.block_size), self.tables,
-            (self.pos + 1).to(torch.int32), scale=scale)
+            (self.pos + 1).to(torch.int32), ks, vs, scale=scale)
         return out.reshape(1, B, n_heads * head_dim)
 
 

@@ -14,28 +14,48 @@ import torch
 import torch.fx
 
 import llmaccel.kernels.paged_attention  # noqa: F401  (registers torch.ops.llmaccel.paged_*)
+from llmaccel.errors import LlmaccelError
 from llmaccel.ops.context import StepContext
+from llmaccel.ops.kv_int8 import SCALE_DTYPE
 
 
 class PagedKVCache:
+    """Per layer k, v blocks (num_blocks, block_size, Hkv, D) in the model's dtype; for the
+    layers in `int8` codes, with their row scales (num_blocks, block_size, Hkv) in k_scale,
+    v_scale (ops/kv_int8.py)."""
+
     def __init__(self, layers: dict[int, tuple[int, int]], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, int8: frozenset[int] = frozenset()):
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.device = torch.empty(0, device=device).device   # with its index, as the tensors'
-        self.k = {i: torch.zeros(num_blocks, block_size, h, d, dtype=dtype, device=device)
-                  for i, (h, d) in layers.items()}
+        self.k = {i: torch.zeros(num_blocks, block_size, h, d, dtype=torch.int8 if i in int8 else dtype,
+                                 device=device) for i, (h, d) in layers.items()}
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self.k_scale = {i: torch.zeros(num_blocks, block_size, layers[i][0], dtype=SCALE_DTYPE, device=device)
+                        for i in layers if i in int8}
+        self.v_scale = {i: torch.zeros_like(t) for i, t in self.k_scale.items()}
 
     @staticmethod
-    def bytes_per_token(layers: dict[int, tuple[int, int]], dtype: torch.dtype) -> int:
-        return sum(2 * h * d for h, d in layers.values()) * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(layers: dict[int, tuple[int, int]], dtype: torch.dtype,
+                        int8: frozenset[int] = frozenset()) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * h * (d + SCALE_DTYPE.itemsize if i in int8 else d * size)
+                   for i, (h, d) in layers.items())
+
+    def layer(self, i: int, coded: bool) -> tuple:
+        """(k, v, k_scale, v_scale) of layer i for the paged ops (scales None unless int8);
+        `coded`: whether the graph's node says the layer is int8, which the cache must match."""
+        if coded != (i in self.k_scale):
+            raise LlmaccelError(f"attention layer {i} {'is' if coded else 'is not'} int8-quantized but "
+                                f"this cache {'is not' if coded else 'is'}: build it from the same graph")
+        return self.k[i], self.v[i], self.k_scale.get(i), self.v_scale.get(i)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=src.device)
-        for t in list(self.k.values()) + list(self.v.values()):
+        for t in [*self.k.values(), *self.v.values(), *self.k_scale.values(), *self.v_scale.values()]:
             t[dst] = t[src]
 
 
@@ -51,21 +71,21 @@ class PagedContext(StepContext):
         self.max_q_len = max_q_len
         self.logits_indices = logits_indices
 
-    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, **_):
+    def attend(self, layer, q, k, v, *, n_heads, n_kv_heads, head_dim, scale, kv_dtype=None, **_):
         N = q.shape[1]
         q3 = q.reshape(N, n_heads, head_dim)
         k3 = k.reshape(N, n_kv_heads, head_dim)
         v3 = v.reshape(N, n_kv_heads, head_dim)
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc, vc, ks, vs = self.cache.layer(layer, kv_dtype is not None)
         nd, outs = self.n_decode, []
         if nd:
             outs.append(torch.ops.llmaccel.paged_decode_attention(
                 q3[:nd], k3[:nd], v3[:nd], kc, vc, self.slot_mapping[:nd], self.block_tables[:nd],
-                self.context_lens[:nd], scale=scale))
+                self.context_lens[:nd], ks, vs, scale=scale))
         if nd < N:
             outs.append(torch.ops.llmaccel.paged_prefill_attention(
                 q3[nd:], k3[nd:], v3[nd:], kc, vc, self.slot_mapping[nd:], self.block_tables[nd:],
-                self.cu_prefill, self.context_lens[nd:], scale=scale, max_q_len=self.max_q_len))
+                self.cu_prefill, self.context_lens[nd:], ks, vs, scale=scale, max_q_len=self.max_q_len))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(1, N, n_heads * head_dim)
 

@@ -25,6 +25,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.running_peak = 0   # the most sequences that held cache blocks at once
 
     def reject_reason(self, seq: Sequence) -> str | None:
         n = seq.n_prompt
@@ -99,6 +100,7 @@ class Scheduler:
         too_long: list[Sequence] = []
         budget = self._step_running(self.max_batched, skip, batch, too_long)
         self._admit_waiting(budget, batch, too_long)
+        self.running_peak = max(self.running_peak, len(self.running))
         batch.sort(key=lambda sq: sq[1] != 1)
         return batch, too_long
 

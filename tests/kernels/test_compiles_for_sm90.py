@@ -20,7 +20,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llmaccel.kernels import bitlinear, bitlinear_gemv, gemv_kernels, gptq, paged_rope, pointwise, sampling
+from llmaccel.kernels import (bitlinear, bitlinear_gemv, gemv_kernels, gptq, paged_attention, paged_rope,
+                              pointwise, sampling)
 
 def sig(fn, types, consts):
     out = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -69,12 +70,26 @@ for one, persist in ((True, False), (False, False), (True, True)):  # the fused 
                        "BLOCK_N": 4, "BLOCK_G": 16, "ONE_CHUNK": one, "PDL": True}))
 RP = {n: "i32" for n in ("sq_b sq_h sk_b sk_h sv_b sv_h sc_blk sc_s sc_h sbt s_cos so_b so_h smo_s smo_h "
                          "smo_p sml_s sml_h").split()}
-RP.update(Q="*bf16", K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", POS="*i64", BT="*i32", O="*bf16",
-          MID_O="*fp32", MID_LSE="*fp32", COS="*fp32", SIN="*fp32", scale="fp32")
-for split, peel in ((False, True), (True, False)):   # paged decode attention with RoPE and the KV write
-    cases.append((f"paged_rope split={split} peel={peel}", paged_rope._paged_rope_decode_kernel, RP,
+RP.update(Q="*bf16", K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", KS="*bf16", VS="*bf16", POS="*i64",
+          BT="*i32", O="*bf16", MID_O="*fp32", MID_LSE="*fp32", COS="*fp32", SIN="*fp32", scale="fp32")
+I8 = dict(KC="*i8", VC="*i8", KS="*fp16", VS="*fp16")  # the int8 cache (kvquant.bits=8)
+for split, peel, quant in ((False, True, False), (True, False, False), (False, True, True), (True, False, True)):
+    # paged decode attention with RoPE and the KV write
+    cases.append((f"paged_rope split={split} peel={peel} int8={quant}", paged_rope._paged_rope_decode_kernel,
+                  {**RP, **(I8 if quant else {})},
                   {"GROUP": 3, "BLOCK_G": 4, "BS": 16, "D": 64, "BLOCK_D": 64, "BLOCK_N": 64,
-                   "SPLIT": split, "IEEE": False, "PEEL": peel, "PDL": peel}))
+                   "SPLIT": split, "IEEE": False, "PEEL": peel, "PDL": peel, "QUANT": quant}))
+PA = {n: "i32" for n in "sq_n sq_h so_n so_h sk_b sk_s sk_h sbt smo_s smo_h smo_p sml_s sml_h split_len".split()}
+PA.update(Q="*bf16", KC="*bf16", VC="*bf16", KS="*bf16", VS="*bf16", O="*bf16", BT="*i32", CU="*i32",
+          LENS="*i32", MID_O="*fp32", MID_LSE="*fp32", scale="fp32")
+for quant in (False, True):  # paged attention of eager steps and graphs without folded RoPE
+    types = {**PA, **(I8 if quant else {})}
+    cases.append((f"paged_prefill int8={quant}", paged_attention._paged_prefill_kernel, types,
+                  {"GROUP": 4, "BS": 16, "D": 64, "BLOCK_D": 64, "BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False,
+                   "QUANT": quant}))
+    cases.append((f"paged_decode int8={quant}", paged_attention._paged_decode_kernel, types,
+                  {"GROUP": 4, "BLOCK_G": 16, "BS": 16, "D": 64, "BLOCK_D": 64, "BLOCK_N": 64, "IEEE": False,
+                   "QUANT": quant}))
 for norm in (False, True):   # the ternary tensor-core kernel
     cases.append((f"bitlinear norm={norm}", bitlinear._bitlinear_kernel,
                   dict(x_ptr="*bf16", g_ptr="*bf16", wp_ptr="*u8", ws_ptr="*bf16", b_ptr="*bf16",
