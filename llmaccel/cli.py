@@ -243,8 +243,9 @@ def _compile_parser(sub) -> None:
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="held-apart tokens for the quality check (default 4096, at least one window, "
                         "when a pass is approximate)")
-    p.add_argument("--eval-ctx", type=int, default=512, metavar="N",
-                   help="the quality check's window: 4096 or 8192 for what acts on long contexts (kvquant)")
+    p.add_argument("--eval-ctx", type=int, default=None, metavar="N",
+                   help="the quality check's window (default 512): 4096 or 8192 for what acts on long "
+                        "contexts (kvquant)")
     p.add_argument("-o", "--output", required=True, help="artifact folder (new, empty, or an "
                                                           "artifact to replace with --force)")
     p.add_argument("--force", action="store_true", help="replace an existing artifact at -o")

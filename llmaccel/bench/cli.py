@@ -20,12 +20,15 @@ def cmd_bench(a) -> None:
     peer = parse_peer(a.peer)
     if a.tp < 1:
         raise LlmaccelError(f"--tp must be >= 1, got {a.tp}")
+    if a.kv_cache_gib is not None and not a.kv_cache_gib > 0:
+        raise LlmaccelError(f"--kv-cache-gib must be positive, got {a.kv_cache_gib}")
     res = bench(a.src, batch=a.batch, prompt_len=a.prompt_len, gen_len=a.gen_len, dtype=a.dtype,
                 device=a.device, passes=a.passes, options=parse_sets(a.set), temperature=a.temperature,
                 top_p=a.top_p, top_k=a.top_k, warmup=a.warmup, measure_bw=not a.no_bw,
                 profile=not a.no_profile, speculative=a.speculative, spec_k=a.spec_k, prompt=a.prompt,
                 cuda_graphs=a.cuda_graphs == "on", compile=_bool_or_auto(a.compile),
-                prefix_caching=a.prefix_caching, tp=a.tp, peer=peer, prompts=a.prompts)
+                prefix_caching=a.prefix_caching, tp=a.tp, peer=peer, prompts=a.prompts,
+                kv_cache_gib=a.kv_cache_gib)
     print(render(res))
     if a.json:
         print(json.dumps(res))
@@ -54,6 +57,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep prefix caching on: the measured run then finds its prompts (those "
                         "of the warm-up runs) cached and prefills only their last block")
+    p.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
+                   help="a fixed KV-cache budget (default: a fraction of the GPU's memory); the JSON's "
+                        "running_peak says how many requests ran at once in it")
     p.add_argument("--speculative", default=None, metavar="DRAFT", help="ngram | self | self:int4 | SRC")
     p.add_argument("--spec-k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks (LLM(tensor_parallel_size=N))")

@@ -201,13 +201,15 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
           seed: int = 0, speculative: str | None = None, spec_k: int = 4, prompt: str | None = None,
           cuda_graphs: bool = True, compile: bool | None = None, profile: bool = True,
           prefix_caching: bool = False, tp: int = 1, peer: tuple[str, str | None] | None = None,
-          prompts: str = "random") -> dict:
+          prompts: str = "random", kv_cache_gib: float | None = None) -> dict:
     """`batch` requests of prompt_len tokens, all added at once to `LLM`, each generating
     exactly gen_len tokens (ignore_eos); the figures of the last of warmup + 1 runs. Prefix
     caching is off unless asked for: every run repeats the same prompts, which it would
     otherwise find cached, and the peers compute their whole prefill. prompts: "random"
     (prompt_len random tokens, or `prompt`), or a set of eval/prompts.py ("grounded", "open"):
-    request i takes the set's prompt i mod its size, at that prompt's own length."""
+    request i takes the set's prompt i mod its size, at that prompt's own length. kv_cache_gib:
+    a fixed KV-cache budget (LLM's kv_cache_bytes), where a cache of fewer bytes per token
+    runs more requests at once (running_peak)."""
     from llmaccel.compiler.model import resolve_device
     from llmaccel.compiler.pipeline import compile as compile_model
     from llmaccel.runtime.engine import LLM
@@ -230,7 +232,7 @@ def bench(src: str, *, batch: int = 1, prompt_len: int = 128, gen_len: int = 256
     llm = LLM(model, max_num_seqs=batch, speculative=speculative, num_speculative_tokens=spec_k,
               max_num_batched_tokens=max(2048, min(sum(map(len, ids)), 16384)),
               cuda_graphs=cuda_graphs, compile=compile, enable_prefix_caching=prefix_caching,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, kv_cache_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30))
     warm_s, prefill_s, gen_s, peak, m0, m1 = _measure(llm, ids, sp, dev, warmup)
     res = _figures(src, model, dev, batch, prompt_len, gen_len, (temperature, top_p, top_k), speculative,
                    prefix_caching, (load_s, warm_s, prefill_s, gen_s), peak, _engine_counts(m0, m1, speculative))
@@ -361,7 +363,8 @@ def _engine_counts(m0: dict, m1: dict, speculative) -> dict:
             "graph_failures": {str(k): v for k, v in m1["graph_failures"].items()},
             "spec_accept_rate": m1["spec_accept_rate"] if speculative else None,
             "decode_compiled": m1["decode_compiled"], "threads": m1["threads"],
-            "cpu_bf16_linears": m1["cpu_bf16_linears"]}
+            "cpu_bf16_linears": m1["cpu_bf16_linears"], "running_peak": m1["running_peak"],
+            **{k: m1.get(k) for k in ("kv_dtype", "kv_bytes_per_token", "kv_cache_tokens")}}
 
 
 def render(res: dict) -> str:

@@ -58,18 +58,20 @@ def _verify(before: torch.Tensor, after: torch.Tensor) -> dict:
 def compile(source: str, passes=(), options: dict | None = None, *, calib: str = "mixed",
             calib_split: str = "first-half", verify: bool = False, eval_tokens: int | None = None,
             dtype="float32", device: str = "cpu", progress: bool = True, sampler=None,
-            baseline: str | None = None, eval_ctx: int = 512) -> Model:
+            baseline: str | None = None, eval_ctx: int | None = None) -> Model:
     """Compile `source` with `passes` (names, in order). Returns the model; `model.report` says how.
     sampler: what passes that generate text continue prompts with (PassContext.sampler;
     llmaccel.compile and `llmc compile` give the engine's). baseline: the model the approximate
     passes fit to and distil from and the quality check compares with, read with its tokenizer
     (default: `source` as loaded); e.g. the original model when `source` is an artifact to heal
     further, which would otherwise be its own teacher. eval_ctx: the quality check's window
-    (a long one for passes that act on long contexts: kvquant; default eval_tokens is then at
-    least one window)."""
+    (a long one for passes that act on long contexts: kvquant; default 512, or the model's
+    context if shorter; default eval_tokens is then at least one window)."""
     names, configs = _checked(passes, options or {}, calib, calib_split, eval_tokens)
     model = load(source, dtype=dtype, device=device)
-    if not 2 <= eval_ctx <= model.config.max_position:
+    if eval_ctx is None:
+        eval_ctx = min(512, model.config.max_position)
+    elif not 2 <= eval_ctx <= model.config.max_position:
         raise LlmaccelError(f"eval_ctx must be 2 .. {model.config.max_position} (the model's context), "
                             f"got {eval_ctx}")
     if not baseline and model.recipe:

@@ -30,9 +30,15 @@ from llmaccel.runtime.sla_states import SlaDecodeContext, SlaStates, build_sla_s
 CPU_CACHE_BYTES = 512 << 20
 
 
-def budget_tokens(device, cfg, bytes_per_token: int, max_batched: int, fraction: float) -> int:
-    """Tokens of `bytes_per_token` that the memory budget holds: on CUDA, `fraction` of the
-    card less what is allocated and a headroom for activations; on the CPU, CPU_CACHE_BYTES."""
+def budget_tokens(device, cfg, bytes_per_token: int, max_batched: int, fraction: float,
+                  fixed: int | None = None) -> int:
+    """Tokens of `bytes_per_token` that the memory budget holds: `fixed` bytes where given; on
+    CUDA, `fraction` of the card less what is allocated and a headroom for activations; on the
+    CPU, CPU_CACHE_BYTES."""
+    if fixed is not None:
+        if fixed < bytes_per_token:
+            raise LlmaccelError(f"kv_cache_bytes={fixed} holds no token of {bytes_per_token} bytes")
+        return fixed // bytes_per_token
     if not str(device).startswith("cuda"):
         return max(1, CPU_CACHE_BYTES // bytes_per_token)
     # an engine its caller dropped holds its cache until the cycle collector runs (its runners
@@ -222,22 +228,24 @@ def check_speculative(gm) -> None:
 
 def make_backend(gm, cfg, layers, *, dtype, device, block_size: int, kv_cache_tokens: int | None,
                  max_num_seqs: int, max_batched: int, fraction: float, capture: bool,
-                 prefix_caching: bool, extra_bytes_per_token: int = 0) -> CacheBackend:
+                 prefix_caching: bool, extra_bytes_per_token: int = 0,
+                 kv_cache_bytes: int | None = None) -> CacheBackend:
     """The backend for graph `gm`'s attention. extra_bytes_per_token: a draft model's own KV,
-    sized with the target's."""
+    sized with the target's; kv_cache_bytes: a fixed budget instead of the memory fraction."""
     specs, kivi = sla_specs(gm), kivi_spec(gm)
+    fixed = kv_cache_bytes
     if specs:
-        budget = budget_tokens(device, cfg, 1, max_batched, fraction) if capture else None
+        budget = budget_tokens(device, cfg, 1, max_batched, fraction, fixed) if capture or fixed else None
         return SlaBackend(specs, max_num_seqs=max_num_seqs, max_position=cfg.max_position,
                           dtype=dtype, device=device, fixed=capture, budget=budget)
     if kivi is not None:
-        budget = None if kv_cache_tokens is not None else budget_tokens(device, cfg, 1, max_batched, fraction)
+        budget = None if kv_cache_tokens is not None else budget_tokens(device, cfg, 1, max_batched, fraction, fixed)
         return KiviBackend(layers, kivi, tokens=kv_cache_tokens, budget=budget, dtype=dtype, device=device,
                            max_num_seqs=max_num_seqs, max_batched=max_batched)
     int8 = frozenset(int8_layers(gm))
     bpt = PagedKVCache.bytes_per_token(layers, dtype, int8) + extra_bytes_per_token
     tokens = kv_cache_tokens if kv_cache_tokens is not None else budget_tokens(
-        device, cfg, bpt, max_batched, fraction)
+        device, cfg, bpt, max_batched, fraction, fixed)
     return PagedBackend(layers, tokens=tokens, block_size=block_size, dtype=dtype, device=device,
                         max_num_seqs=max_num_seqs, max_position=cfg.max_position,
                         prefix_caching=prefix_caching, int8=int8)

@@ -30,7 +30,8 @@ STAT_KEYS = ("steps", "prompt_tokens", "generated_tokens", "spec_proposed", "spe
 
 
 class EngineCore:
-    def __init__(self, model, *, block_size: int, kv_cache_tokens: int | None, max_num_seqs: int,
+    def __init__(self, model, *, block_size: int, kv_cache_tokens: int | None, kv_cache_bytes: int | None,
+                 max_num_seqs: int,
                  max_num_batched_tokens: int, speculative: str | None, num_speculative_tokens: int,
                  enable_prefix_caching: bool, gpu_memory_utilization: float,
                  cuda_graphs: bool, compile: bool | None):
@@ -49,7 +50,8 @@ class EngineCore:
         capture = str(self.device).startswith("cuda") and cuda_graphs
         self.backend = make_backend(
             model.gm, self.cfg, layers, dtype=self.dtype, device=self.device, block_size=block_size,
-            kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_batched=max_num_batched_tokens,
+            kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+            max_batched=max_num_batched_tokens,
             fraction=gpu_memory_utilization, capture=capture, prefix_caching=enable_prefix_caching,
             extra_bytes_per_token=PagedKVCache.bytes_per_token(draft_layers, self.dtype, draft_int8)
             if draft_layers else 0)

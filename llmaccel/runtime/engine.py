@@ -30,22 +30,29 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  speculative: str | None = None, num_speculative_tokens: int = 4, dtype=None,
                  device=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, compile: bool | None = None, tensor_parallel_size: int = 1):
+                 cuda_graphs: bool = True, compile: bool | None = None, tensor_parallel_size: int = 1,
+                 kv_cache_bytes: int | None = None):
         """Decode-only steps run on the lowered graph with sampling inside (runtime/decode.py;
         over linear-attention states too, sla_states.py), except over a KIVI cache.
         cuda_graphs: replay them as CUDA graphs (CUDA only);
         compile: Inductor on the decode sub-step first (None: default_compile, on CUDA and on a
         CPU where Inductor finds a C++ compiler);
         tensor_parallel_size: ranks the graph is cut over (tp_ranks.py: workers spawned from
-        here, or the ranks of a torchrun launch); close() ends the workers."""
+        here, or the ranks of a torchrun launch); close() ends the workers;
+        kv_cache_bytes: the cache's size in bytes instead of a memory fraction (or
+        kv_cache_tokens), so that a cache of fewer bytes per token holds more tokens."""
         counts = dict(block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       num_speculative_tokens=num_speculative_tokens, tensor_parallel_size=tensor_parallel_size,
-                      kv_cache_tokens=1 if kv_cache_tokens is None else kv_cache_tokens)
+                      kv_cache_tokens=1 if kv_cache_tokens is None else kv_cache_tokens,
+                      kv_cache_bytes=1 if kv_cache_bytes is None else kv_cache_bytes)
         bad = next((k for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1), None)
         if bad is not None:
             raise LlmaccelError(f"{bad} must be a positive integer, got {counts[bad]!r}")
-        engine_kw = dict(block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+        if kv_cache_tokens is not None and kv_cache_bytes is not None:
+            raise LlmaccelError("give kv_cache_tokens or kv_cache_bytes, not both")
+        engine_kw = dict(block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes,
+                         max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
                          num_speculative_tokens=num_speculative_tokens,
                          enable_prefix_caching=enable_prefix_caching,

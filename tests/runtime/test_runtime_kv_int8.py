@@ -77,14 +77,23 @@ def test_greedy_matches_reference_executor(case, kw):
     assert 1 <= s["running_peak"] <= len(prompts)
 
 
-def test_same_bytes_hold_about_twice_the_tokens(case):
-    m, _, _ = case
+def test_same_bytes_hold_more_tokens_and_run_more_requests(case):
+    m, prompts, ref = case
     base = compile("preset:tiny-llama", ["fuse"], {}, eval_tokens=0, progress=False)
-    q, b = LLM(m).metrics(), LLM(base).metrics()
     L, H, D = 2, 2, 16  # tiny-llama: layers, KV heads, head_dim
-    assert q["kv_bytes_per_token"] == L * 2 * H * (D + 2)
-    assert b["kv_bytes_per_token"] == L * 2 * H * D * 4  # fp32
-    assert q["kv_cache_tokens"] > 3 * b["kv_cache_tokens"]  # 1 + 2/16 bytes a number against 4
+    budget = 80 * L * 2 * H * D * 4  # 80 fp32 tokens: one request of 70 + 40 at most
+    runs = {}
+    for name, model in (("int8", m), ("fp32", base)):
+        llm = LLM(model, kv_cache_bytes=budget, block_size=8)
+        outs = llm.generate([p[:30] for p in prompts], GREEDY)
+        runs[name] = llm.metrics()
+        assert all(len(o.token_ids) == 40 for o in outs)
+    q, b = runs["int8"], runs["fp32"]
+    assert q["kv_bytes_per_token"] == L * 2 * H * (D + 2) and b["kv_bytes_per_token"] == L * 2 * H * D * 4
+    assert q["kv_cache_tokens"] >= 3 * b["kv_cache_tokens"]  # 1 + 2/16 bytes a number against 4
+    assert q["running_peak"] > b["running_peak"]
+    with pytest.raises(LlmaccelError, match="not both"):
+        LLM(m, kv_cache_bytes=budget, kv_cache_tokens=64)
 
 
 def test_export_refuses_the_int8_cache(case, tmp_path):
