@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -161,17 +160,9 @@ def time_graph(make_call, copies: int) -> float:
     with torch.cuda.graph(g):
         for fn in fns:
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / calls)
-    return statistics.median(ts)
+    from llmaccel.bench.run import cuda_time_us  # the one GPU timer (events, median)
+
+    return cuda_time_us(g.replay, reps=5, warmup=1) * 1e-6 / calls
 
 
 def nbytes(*ts) -> int:
