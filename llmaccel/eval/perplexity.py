@@ -29,6 +29,19 @@ def window_logits(model, x: torch.Tensor, chunk: int | None) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
+STAT_ROWS = 2048  # rows of logits whose log-softmax copies exist at once
+
+
+def window_stats(logits: torch.Tensor, y: torch.Tensor, base: torch.Tensor | None) -> tuple:
+    """(NLL sum, the baseline's NLL sum, KL(base || model) sum, top-1 agreements) over rows."""
+    nll = F.cross_entropy(logits, y, reduction="sum").item()
+    if base is None:
+        return nll, 0.0, 0.0, 0
+    lp_b, lp_m = base.log_softmax(-1), logits.log_softmax(-1)
+    return (nll, F.cross_entropy(base, y, reduction="sum").item(),
+            (lp_b.exp() * (lp_b - lp_m)).sum().item(), (base.argmax(-1) == logits.argmax(-1)).sum().item())
+
+
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progress: bool = True,
              chunk: int | None = None, batch: int = 4) -> dict:
@@ -37,7 +50,9 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
     `chunk`: run each window as a chunked prefill through the KV cache (default: only for
     graphs that quantize their KV cache, with chunks of 32; the baseline by its own graph).
     Chunked windows run `batch` at a time (independent rows of one cache), since many
-    32-token forwards are slow on a CPU otherwise.
+    32-token forwards are slow on a CPU otherwise; at most 8,192 tokens at a time (ctx 4,096: 2
+    windows), and the statistics are taken over slices of rows: a batch's logits are B x ctx x
+    vocabulary floats (3.2 GB for SmolLM2 at 4 x 4,096), each copy of them a share of the memory.
 
     ppl = exp(total NLL / predicted tokens). With a baseline: mean KL(baseline || model) and
     top-1 agreement over the same positions.
@@ -46,19 +61,19 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
     base_chunk = resolve_chunk(baseline, None) if baseline is not None else None
     nll, n, kl, agree, base_nll = 0.0, 0, 0.0, 0, 0.0
     n_windows = len(range(0, len(ids) - 1, ctx))
-    size = batch if chunk is not None or base_chunk is not None else 1
+    size = max(1, min(batch, 8192 // ctx)) if chunk is not None or base_chunk is not None else 1
     bar = tqdm(total=n_windows, desc="eval", unit="win", disable=not progress, file=sys.stderr)
     for x, y in window_batches(ids, ctx, size):
         logits = window_logits(model, x, chunk).float().flatten(0, 1)
         y = y.flatten().to(logits.device)
-        nll += F.cross_entropy(logits, y, reduction="sum").item()
-        n += len(y)
+        base = None
         if baseline is not None:
             base = window_logits(baseline, x, base_chunk).float().flatten(0, 1).to(logits.device)
-            base_nll += F.cross_entropy(base, y, reduction="sum").item()
-            lp_b, lp_m = base.log_softmax(-1), logits.log_softmax(-1)
-            kl += (lp_b.exp() * (lp_b - lp_m)).sum(-1).sum().item()
-            agree += (base.argmax(-1) == logits.argmax(-1)).sum().item()
+        for i in range(0, len(y), STAT_ROWS):
+            s = window_stats(logits[i:i + STAT_ROWS], y[i:i + STAT_ROWS],
+                             None if base is None else base[i:i + STAT_ROWS])
+            nll, base_nll, kl, agree = nll + s[0], base_nll + s[1], kl + s[2], agree + s[3]
+        n += len(y)
         bar.update(x.shape[0])
     bar.close()
     out = {"ppl": ppl_of(nll / n), "nll": nll / n, "tokens": n, "windows": n_windows, "ctx": ctx,
