@@ -48,7 +48,8 @@ def evaluate(model, ids: torch.Tensor, *, ctx: int = 512, baseline=None, progres
     """Windows s = 0, ctx, 2ctx, ...: predict ids[s+1 : s+ctx+1] from ids[s : s+ctx].
 
     `chunk`: run each window as a chunked prefill through the KV cache (default: only for
-    graphs that quantize their KV cache, with chunks of 32; the baseline by its own graph).
+    graphs that quantize their KV cache, model.eval_chunk: 32 for KIVI, 512 for int8 rows; the
+    baseline by its own graph).
     Chunked windows run `batch` at a time (independent rows of one cache), since many
     32-token forwards are slow on a CPU otherwise; at most 8,192 tokens at a time (ctx 4,096: 2
     windows), and the statistics are taken over slices of rows: a batch's logits are B x ctx x

@@ -155,9 +155,11 @@ if triton is not None:
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-                if QUANT:  # and the scale of each value its weight
-                    p = p * tl.load(VS + base // D, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                v = tl.load(VC + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                if QUANT:  # values dequantized in fp32 (a scaled p would underflow fp16 sooner)
+                    vsc = tl.load(VS + base // D, mask=n_ok, other=0.0).to(tl.float32)
+                    v = v.to(tl.float32) * vsc[:, None]
+                v = v.to(q.dtype)
                 if IEEE:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
@@ -178,20 +180,21 @@ if triton is not None:
                        QUANT: tl.constexpr):
         """One block of keys k and values v (N, D), n_ok of them real, for query rows q (G, D)
         in an online softmax: returns the running max, sum and (unnormalized) output. QUANT: k
-        and v are int8 codes (in q's dtype) with row scales ks, vs (N,) fp32."""
+        and v are int8 codes (in q's dtype, exact) with row scales ks, vs (N,) fp32: a key's scale
+        multiplies its logit, a value's its row."""
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
         if QUANT:
             qk = qk * ks[None, :]
+            # values dequantized in fp32, then in q's dtype (a scaled p would underflow fp16 sooner)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         qk = tl.where(n_ok[None, :], qk * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT:
-            p = p * vs[None, :]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -296,6 +299,10 @@ def _check(q, k_cache, v_cache, block_tables, context_lens):
 def scale_args(k_cache, k_scale, v_scale) -> tuple:
     """(KS, VS, QUANT) for a kernel: an int8 cache's row scales (the kernels find a slot's
     scale at its code offset // head_dim: both contiguous), or the cache itself, unread."""
+    if (k_scale is None) != (v_scale is None) or (k_scale is None) != (k_cache.dtype != torch.int8):
+        raise ValueError(f"paged attention: a {k_cache.dtype} cache with {'no' if k_scale is None else 'a'} key "
+                         f"scale and {'no' if v_scale is None else 'a'} value scale; an int8 cache takes both, "
+                         f"another neither")
     if k_scale is None:
         return k_cache, k_cache, False
     if not (k_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()

@@ -70,8 +70,11 @@ def paged_rope_decode_ref(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin
 def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, sin, scale: float,
                              k_scale=None, v_scale=None):
     """The op's values without a host read: every row attends over its whole table (B, W), the
-    slots past pos masked. What a compiled CPU decode step traces (Inductor fuses the rotation,
-    the gather and the mask; the width is the shape's, at most twice the longest context)."""
+    slots past pos masked. What a compiled CPU decode step traces (the width is the shape's, at
+    most twice the longest context). The products and sums are written out, not SDPA, so that
+    Inductor fuses the gather (and an int8 cache's dequantization) into the two reductions and
+    reads each cached key and value once: SDPA takes a gathered copy, three passes over the
+    cache (3,072 tokens, 30 layers: 44 against 155 ms fp32, 38 against 104 ms int8)."""
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
     nq = q.shape[1]
     qk = rope_rows(torch.cat((q, k), 1), cos, sin, pos)
@@ -80,13 +83,13 @@ def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     BS, Hkv, D = k_cache.shape[1:]
     write_kv_ref(k, v, k_cache, v_cache, slots_of(pos, block_tables, BS), k_scale, v_scale)
     bt = block_tables.long()
-    kb = cached_rows(k_cache, k_scale, bt, q.dtype).reshape(B, W * BS, Hkv, D).transpose(1, 2)   # (B, Hkv, L, D)
-    vb = cached_rows(v_cache, v_scale, bt, q.dtype).reshape(B, W * BS, Hkv, D).transpose(1, 2)
-    mask = torch.arange(W * BS, device=q.device)[None, :] <= pos[:, None]
+    kb = cached_rows(k_cache, k_scale, bt, torch.float32).reshape(B, W * BS, Hkv, 1, D)   # (B, L, Hkv, 1, D)
+    vb = cached_rows(v_cache, v_scale, bt, torch.float32).reshape(B, W * BS, Hkv, 1, D)
     H = q.shape[1]
-    o = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), kb, vb, attn_mask=mask[:, None, None, :],
-                                       scale=scale)
-    return o.reshape(B, H, D)
+    s = (q.float().view(B, 1, Hkv, H // Hkv, D) * kb).sum(-1) * scale                       # (B, L, Hkv, G)
+    mask = torch.arange(W * BS, device=q.device)[None, :] <= pos[:, None]
+    p = torch.softmax(s.masked_fill(~mask[:, :, None, None], float("-inf")), dim=1)
+    return (p[..., None] * vb).sum(1).reshape(B, H, D).to(q.dtype)
 
 
 # Rows up to which the CPU form attends row by row over each row's own context (a batch pads

@@ -2,8 +2,10 @@
 
 Format: each stored key or value row x (head_dim numbers of one token and KV head) is kept as
 code = floor(x / s + 0.5) in [-127, 127] with s = max|x| / 127 rounded to fp16, the codes computed
-from the rounded scale so that every reader dequantizes identically (x ~ code * s); the scales
-sit beside the codes, one per (slot, KV head). Bytes per token and head: head_dim + 2 (66
+from the rounded scale (x ~ code * s); the scales sit beside the codes, one per (slot, KV head).
+The decode kernel that quantizes a new row in registers computes the same formula, but a code
+may differ by one step where its product rounds across a half (CUDA's fast division); every
+reader then dequantizes what was stored. Bytes per token and head: head_dim + 2 (66
 against bf16's 128 at head_dim 64).
 
 Why not fp8 e4m3 with a scale per layer (vLLM's and TensorRT-LLM's fp8 cache): on SmolLM2-135M
@@ -26,7 +28,7 @@ SCALE_DTYPE = torch.float16
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) -> int8 codes (..., D) and fp16 scales (...)."""
     xf = x.float()
-    # a product, not a quotient, and floor(y + 0.5): what the Triton kernels compute alike
+    # a product, not a quotient, and floor(y + 0.5): the formula the Triton writer follows
     s = (xf.abs().amax(-1) * (1.0 / 127)).to(SCALE_DTYPE)
     s32 = s.float()
     inv = torch.where(s32 > 0, 1.0 / torch.where(s32 > 0, s32, 1.0), 0.0)

@@ -62,6 +62,8 @@ class KVQuant(Pass):
             raise LlmaccelError("kvquant: the graph has no attention node to quantize")
         if c.bits == 8:
             return self._int8(gm, nodes)
+        if any(n.kwargs.get("kv_dtype") is not None for n in nodes):
+            raise LlmaccelError("kvquant: this graph's cache is int8-quantized already (kvquant.bits=8)")
         per_token, bf16 = 0.0, 0
         for n in nodes:
             kw = dict(n.kwargs)

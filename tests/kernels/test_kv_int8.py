@@ -65,6 +65,14 @@ def test_reference_ops_attend_over_the_dequantized_cache(op):
     assert torch.equal(ks.flatten(0, 1)[c["slot_mapping"]], s)
 
 
+def test_an_int8_cache_takes_both_scales_and_another_none():
+    c = make_case([1], [5], H=2, Hkv=1, D=8, bs=4, dtype=torch.float32)
+    kc, vc, ks, vs = to_int8(c)
+    for args in ((kc, ks, None), (kc, None, None), (c["k_cache"], ks, vs)):
+        with pytest.raises(ValueError, match="an int8 cache takes both"):
+            pa.scale_args(*args)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_prefill_and_decode_on_int8_cache(dtype):
@@ -125,3 +133,17 @@ def test_int8_cache_kernels_real_shapes_bf16():
     args = (p["q"], kc, vc, p["block_tables"], p["context_lens"], D ** -0.5)
     torch.testing.assert_close(pa.paged_decode_triton(*args, k_scale=ks, v_scale=vs).float(),
                                pa.paged_decode_ref(*args, ks, vs).float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_triton
+def test_fp16_kernel_keeps_small_values():
+    """Values of ~5e-4 in fp16: the kernels dequantize them in fp32 before the product, so the
+    output keeps fp16's relative precision (a probability scaled by the row scale first would
+    reach fp16's subnormals)."""
+    d = make_case([1] * 2, [1024, 300], H=4, Hkv=2, D=16, bs=16, dtype=torch.float16, seed=9)
+    d["v_cache"] = d["v_cache"] * 5e-4
+    kc, vc, ks, vs = to_int8(d)
+    args = (d["q"], kc, vc, d["block_tables"], d["context_lens"], 0.25)
+    got = pa.paged_decode_triton(*args, num_splits=2, k_scale=ks, v_scale=vs).float()
+    want = pa.paged_decode_ref(d["q"].float(), kc, vc, d["block_tables"], d["context_lens"], 0.25, ks, vs)
+    assert ((got - want).abs().max() / want.abs().max()) < 3e-3
