@@ -73,8 +73,8 @@ def paged_rope_decode_masked(q, k, v, k_cache, v_cache, pos, block_tables, cos, 
     slots past pos masked. What a compiled CPU decode step traces (the width is the shape's, at
     most twice the longest context). The products and sums are written out, not SDPA, so that
     Inductor fuses the gather (and an int8 cache's dequantization) into the two reductions and
-    reads each cached key and value once: SDPA takes a gathered copy, three passes over the
-    cache (3,072 tokens, 30 layers: 44 against 155 ms fp32, 38 against 104 ms int8)."""
+    reads each cached key and value once, where SDPA reads a gathered copy (SmolLM2-135M at
+    3,072 tokens, 2 cores: a step 34.2-34.5 against 35.2-36.4 ms, and no first-run spikes)."""
     q, k, v = split_fused(q, k, v, k_cache.shape[2])
     nq = q.shape[1]
     qk = rope_rows(torch.cat((q, k), 1), cos, sin, pos)
