@@ -50,6 +50,11 @@ def run_server(app, sock: socket.socket, *, shutdown_timeout: float, log_level: 
     # uvicorn re-raises the signal it stopped on with the handler it found: a handler that does
     # nothing makes SIGTERM end the process with status 0 once the server is down
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # A server started with SIGINT ignored (a script's background job, or a parent that ignores
+    # it) still stops on SIGINT through uvicorn, but uvicorn's re-raise then does nothing and the
+    # process exits 0; with Python's own handler back, that stop ends as a Ctrl-C does (130).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # The thread that routes the engine's events shares the GIL with the event loop. A thread
     # coming back from a call that released it (a pipe read, a socket write) waits until the
     # holder yields, by default up to 5 ms; every stream's tokens would wait that long.

@@ -122,16 +122,23 @@ def test_load_with_disconnects_and_bad_requests(server):
     assert 0 < res["client_cpu_s"] and 0 < res["accepted_s"]["p50"] <= res["ttft_s"]["p50"]
 
 
-def test_ctrl_c_stops_the_server_with_a_quiet_stderr(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_the_server_with_a_quiet_stderr(tmp_path, inherited):
     """Both processes freeze what they loaded out of the collector's way; unfrozen before exit,
-    nothing of triton outlives its module, so nanobind prints no "leaked ..." lines."""
-    with open(tmp_path / "err", "w+") as err:
-        with serve_subprocess(MODEL, "--warmup-context", "0", timeout=60, stderr=err) as (url, proc):
-            assert httpx.get(f"{url}/health").status_code == 200
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(30) == 130
-        err.seek(0)
-        text = err.read()
+    nothing of triton outlives its module, so nanobind prints no "leaked ..." lines. Started
+    with SIGINT ignored (as a script's background job is), SIGINT still ends it with 130."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if inherited == "ignored" else signal.default_int_handler)
+    try:
+        with open(tmp_path / "err", "w+") as err:
+            with serve_subprocess(MODEL, "--warmup-context", "0", timeout=60, stderr=err) as (url, proc):
+                signal.signal(signal.SIGINT, before)
+                assert httpx.get(f"{url}/health").status_code == 200
+                proc.send_signal(signal.SIGINT)
+                assert proc.wait(30) == 130
+            err.seek(0)
+            text = err.read()
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert "Application shutdown complete" in text and "nanobind" not in text and "leaked" not in text
 
 
