@@ -405,7 +405,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale: 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, *,
                            scale: float) -> torch.Tensor:
     """Write k, v (S, Hkv, D) at slot_mapping, then attend q (S, H, D) over each context;
     k_scale, v_scale: the row scales of an int8 cache."""
@@ -418,8 +418,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None, *, scale: float,
+                            context_lens: torch.Tensor, k_scale: torch.Tensor | None,
+                            v_scale: torch.Tensor | None, *, scale: float,
                             max_q_len: int) -> torch.Tensor:
     """Write k, v (N, Hkv, D) at slot_mapping, then causal attention of q (N, H, D) per sequence."""
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -347,8 +347,8 @@ if not registered("paged_rope_decode_attention"):
     def paged_rope_decode_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                                     block_tables: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                    k_scale: torch.Tensor | None = None,
-                                    v_scale: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
+                                    k_scale: torch.Tensor | None,
+                                    v_scale: torch.Tensor | None, *, scale: float) -> torch.Tensor:
         """Rotate q, k at pos, write k, v at pos's slot, attend q over slots 0 .. pos per row;
         k = v = None: q is (B, H + 2 Hkv, D). On CUDA at one row it launches early behind the
         kernel before (PDL) and reads pos, block_tables, cos, sin and the cache before waiting

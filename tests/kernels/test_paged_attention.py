@@ -73,12 +73,12 @@ def run_op(name, c, scale):
     if name == "decode":
         out = torch.ops.llmaccel.paged_decode_attention(
             c["q"], c["k"], c["v"], kc, vc, c["slot_mapping"], c["block_tables"], c["context_lens"],
-            scale=scale)
+            None, None, scale=scale)
     else:
         max_q = int((c["cu_seqlens_q"][1:] - c["cu_seqlens_q"][:-1]).max())
         out = torch.ops.llmaccel.paged_prefill_attention(
             c["q"], c["k"], c["v"], kc, vc, c["slot_mapping"], c["block_tables"], c["cu_seqlens_q"],
-            c["context_lens"], scale=scale, max_q_len=max_q)
+            c["context_lens"], None, None, scale=scale, max_q_len=max_q)
     return out, kc, vc
 
 
@@ -172,11 +172,11 @@ def test_cuda_eager_steps_of_varying_shapes_compile_no_new_variants():
         kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
         torch.ops.llmaccel.paged_decode_attention(
             c["q"][:nd], c["k"][:nd], c["v"][:nd], kc, vc, c["slot_mapping"][:nd], c["block_tables"][:nd],
-            c["context_lens"][:nd], scale=D ** -0.5)
+            c["context_lens"][:nd], None, None, scale=D ** -0.5)
         cu = c["cu_seqlens_q"][nd:] - c["cu_seqlens_q"][nd]
         out = torch.ops.llmaccel.paged_prefill_attention(
             c["q"][nd:], c["k"][nd:], c["v"][nd:], kc, vc, c["slot_mapping"][nd:], c["block_tables"][nd:],
-            cu, c["context_lens"][nd:], scale=D ** -0.5, max_q_len=300)
+            cu, c["context_lens"][nd:], None, None, scale=D ** -0.5, max_q_len=300)
         want = pa.paged_attention_ref(c["q"][nd:].float(), kc.float(), vc.float(), c["block_tables"][nd:],
                                       cu, c["context_lens"][nd:], D ** -0.5)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
