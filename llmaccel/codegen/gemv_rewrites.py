@@ -42,6 +42,14 @@ def int4_gemv_weights(node: torch.fx.Node) -> bool:
         all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1:4])
 
 
+def int8_activations(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether an int4 GEMV rounds x to int8 per group (gemv_a8.py): in graphs of half-precision
+    scales (bf16 / fp16 runs, whose x already has 8 bits of mantissa), where the integer dot
+    products decode 1.5-1.9x faster; fp32 graphs keep the exact form (greedy identity with the
+    reference executor). ΔPPL of the rounding: docs/quality.md."""
+    return weight_of(gm, node.args[2]).dtype in (torch.bfloat16, torch.float16)
+
+
 def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -127,10 +135,11 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Linears with stored floating-point weights become llmaccel::gemv, and linear_int4 with
     stored weights llmaccel::gemv_int4, with their neighbours inside: silu_mul after a gate/up
     GEMV, the residual add after an o / down GEMV, the weightless RMSNorm before a GEMV.
-    Returns counts {gemv (all GEMVs), int4 (of which gemv_int4), glu, residual, norm}."""
+    Returns counts {gemv (all GEMVs), int4 (of which gemv_int4), act8 (of which with int8
+    activations), glu, residual, norm}."""
     if _gemv_op() is None:
         load_kernel_modules()  # registers llmaccel::gemv and gemv_int4
-    counts = dict.fromkeys(("gemv", "int4", "glu", "residual", "norm"), 0)
+    counts = dict.fromkeys(("gemv", "int4", "act8", "glu", "residual", "norm"), 0)
     targets = _gemv_targets()
     if not targets:
         return counts
@@ -144,10 +153,12 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
                 retarget(node, op.default)
                 counts["gemv"] += 1
         elif op4 is not None and int4_gemv_weights(node):
-            node.kwargs = {"group_size": node.kwargs.get("group_size", 128)}
+            act8 = int8_activations(gm, node)
+            node.kwargs = {"group_size": node.kwargs.get("group_size", 128), "act8": act8}
             retarget(node, op4.default)
             counts["gemv"] += 1
             counts["int4"] += 1
+            counts["act8"] += act8
     for node in list(graph.nodes):
         if node.target in targets and _glu_into_gemv(graph, node):
             counts["glu"] += 1

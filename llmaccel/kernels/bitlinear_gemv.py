@@ -33,6 +33,8 @@ try:
     import triton.language as tl
     from triton.language.extra import cuda as _tl_cuda
     from triton.language.extra import libdevice
+
+    from llmaccel.kernels.int_codes import dp4a
 except ImportError:  # pragma: no cover - only where triton is absent
     triton = None
 
@@ -84,21 +86,12 @@ if triton is not None:
         return word, tl.sum((q0 + q1) + (q2 + q3), 0)
 
     @triton.jit
-    def _dp4a(c, xw, acc, ASM: tl.constexpr):
-        """acc + sum over the four bytes of c (unsigned) x the bytes of xw (signed)."""
-        if ASM:
-            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                             [c, xw, acc], dtype=tl.int32, is_pure=True, pack=1)
-        return acc + (c & 0xFF) * ((xw << 24) >> 24) + ((c >> 8) & 0xFF) * ((xw << 16) >> 24) \
-            + ((c >> 16) & 0xFF) * ((xw << 8) >> 24) + ((c >> 24) & 0xFF) * (xw >> 24)
-
-    @triton.jit
     def _planes(w, xrow, g_ptr, kw, acc, qsum, K, rstd, inv, HAS_NORM: tl.constexpr,
                 HAS_G: tl.constexpr, G_ROUND: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr):
         """acc += the four planes of weight words w against the token's packed codes."""
         for s in tl.static_range(4):
             xw, qs = _x_word(xrow, g_ptr, kw, s, K, rstd, inv, HAS_NORM, HAS_G, G_ROUND, IEEE)
-            acc = _dp4a((w >> (2 * s)) & 0x03030303, tl.broadcast_to(xw[None, :], w.shape), acc, ASM)
+            acc = dp4a((w >> (2 * s)) & 0x03030303, tl.broadcast_to(xw[None, :], w.shape), acc, ASM)
             qsum += qs
         return acc, qsum
 

@@ -177,6 +177,21 @@ if triton is not None:
         tl.store(O + m.to(tl.int64) * s_o + rn, y.to(O.dtype.element_ty), mask=n_ok)
 
     @triton.jit
+    def _int4_tiles_then_wait(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, N_OUT, GS: tl.constexpr,
+                              GLU: tl.constexpr, PDL: tl.constexpr):
+        """A row tile's words, scales and zero points (and its up rows' with GLU; else the same
+        again), loaded before the wait for the kernel before (PDL), which writes x and the
+        residual."""
+        w, s, z = int4_tile(W, S, Z, rn.to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
+        wu, su, zu = w, s, z
+        if GLU:
+            wu, su, zu = int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
+        if PDL:
+            _tl_cuda.gdc_launch_dependents()
+            _tl_cuda.gdc_wait()
+        return w, s, z, wu, su, zu
+
+    @triton.jit
     def _int4_one_chunk(W, S, Z, BIAS, R, O, N_OUT, K, G, ZB, s_r, s_o, eps, pid, P, m, n_tiles, ar,
                      rg, xrow, GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -186,13 +201,8 @@ if triton is not None:
         g_ok = rg < G
         rn = pid * BLOCK_N + ar
         n_ok = rn < N_OUT
-        w, s, z = int4_tile(W, S, Z, rn.to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
-        wu, su, zu = w, s, z
-        if GLU:
-            wu, su, zu = int4_tile(W, S, Z, (rn + N_OUT).to(tl.int64), n_ok, rg, g_ok, G, ZB, GS)
-        if PDL:
-            _tl_cuda.gdc_launch_dependents()
-            _tl_cuda.gdc_wait()  # x (and the residual) come from the kernels before
+        w, s, z, wu, su, zu = _int4_tiles_then_wait(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, N_OUT, GS,
+                                                     GLU, PDL)
         x0, x1, x2, x3, x4, x5, x6, x7 = x8(xrow, rg, g_ok, K, GS)
         r = 1.0
         if NORM:

@@ -32,6 +32,16 @@ if triton is not None:
         return tl.fma(v, INV, -(8388608.0 * INV + 128.0))
 
     @triton.jit
+    def dp4a(c, xw, acc, ASM: tl.constexpr):
+        """acc + sum over the four bytes of c (unsigned) x the bytes of xw (signed); ASM=False
+        (the interpreter has no inline PTX) spells it out on the same words."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [c, xw, acc], dtype=tl.int32, is_pure=True, pack=1)
+        return acc + (c & 0xFF) * ((xw << 24) >> 24) + ((c >> 8) & 0xFF) * ((xw << 16) >> 24) \
+            + ((c >> 16) & 0xFF) * ((xw << 8) >> 24) + ((c >> 24) & 0xFF) * (xw >> 24)
+
+    @triton.jit
     def int4_words(w, z):
         """The 8 codes of each int32 word (column 8j + i in nibble i) minus z, as fp32 (exact:
         2^23 * 16^-i + z is an fp32 integer, so the FMA's addend is exact too)."""
