@@ -36,6 +36,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, s
 
 
+def row_bytes(n_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one token's K and V rows of one layer in the int8 cache: codes plus a scale per
+    KV head (132 at 2 x 64 against bf16's 256)."""
+    return 2 * n_kv_heads * (head_dim + SCALE_DTYPE.itemsize)
+
+
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (codes.float() * scale.float()[..., None]).to(dtype)
 
@@ -46,4 +52,4 @@ def int8_layers(gm: torch.fx.GraphModule) -> set[int]:
             if n.op == "call_function" and n.kwargs.get("kv_dtype") == "int8"}
 
 
-__all__ = ["KV_DTYPES", "SCALE_DTYPE", "quantize_rows", "dequantize_rows", "int8_layers"]
+__all__ = ["KV_DTYPES", "SCALE_DTYPE", "quantize_rows", "row_bytes", "dequantize_rows", "int8_layers"]

@@ -20,7 +20,7 @@ import torch.fx
 
 from llmaccel import ops
 from llmaccel.errors import LlmaccelError
-from llmaccel.ops.kv_int8 import SCALE_DTYPE
+from llmaccel.ops.kv_int8 import row_bytes
 from llmaccel.ops.kvquant import bytes_per_token, kv_quant_attention, make_spec
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.ir import op_nodes
@@ -86,8 +86,7 @@ class KVQuant(Pass):
         per_token = 0
         for n in nodes:
             n.kwargs = {**n.kwargs, "kv_dtype": "int8"}
-            h, d = n.kwargs["n_kv_heads"], n.kwargs["head_dim"]
-            per_token += 2 * h * (d + SCALE_DTYPE.itemsize)
+            per_token += row_bytes(n.kwargs["n_kv_heads"], n.kwargs["head_dim"])
         bf16 = sum(4 * n.kwargs["n_kv_heads"] * n.kwargs["head_dim"] for n in nodes)
         stats = {"layers": len(nodes), "bits": 8, "format": "int8, a fp16 scale per token and KV head",
                  "kv_bytes_per_token": per_token, "bf16_bytes_per_token": bf16,

@@ -16,7 +16,7 @@ import torch.fx
 import llmaccel.kernels.paged_attention  # noqa: F401  (registers torch.ops.llmaccel.paged_*)
 from llmaccel.errors import LlmaccelError
 from llmaccel.ops.context import StepContext
-from llmaccel.ops.kv_int8 import SCALE_DTYPE
+from llmaccel.ops.kv_int8 import SCALE_DTYPE, row_bytes
 
 
 class PagedKVCache:
@@ -39,8 +39,7 @@ class PagedKVCache:
     def bytes_per_token(layers: dict[int, tuple[int, int]], dtype: torch.dtype,
                         int8: frozenset[int] = frozenset()) -> int:
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * h * (d + SCALE_DTYPE.itemsize if i in int8 else d * size)
-                   for i, (h, d) in layers.items())
+        return sum(row_bytes(h, d) if i in int8 else 2 * h * d * size for i, (h, d) in layers.items())
 
     def layer(self, i: int, coded: bool) -> tuple:
         """(k, v, k_scale, v_scale) of layer i for the paged ops (scales None unless int8);
