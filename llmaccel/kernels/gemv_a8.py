@@ -213,10 +213,13 @@ _WORKSPACES: dict = {}
 
 def _workspace(device, n_partial: int, n_counters: int):
     """fp32 partials and zeroed tile counters of split-K, kept per (device, sizes): the kernel
-    leaves the counters at zero, so later calls and CUDA graph replays reuse them (one stream)."""
+    leaves the counters at zero, so later calls and CUDA graph replays reuse them (one stream).
+    None while a graph is being captured and they do not exist yet (the caller does not split)."""
     key = (str(device), n_partial, n_counters)
     hit = _WORKSPACES.get(key)
     if hit is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         hit = (torch.empty(n_partial, device=device, dtype=torch.float32),
                torch.zeros(n_counters, device=device, dtype=torch.int32))
         _WORKSPACES[key] = hit
@@ -236,10 +239,14 @@ def gemv_a8_triton(x, qweight, scales, zeros, bias=None, residual=None, *, group
     w = packed_words(qweight)
     s, z = scales.contiguous(), zeros.contiguous()
     bn, bg, num_warps, split = gemv_a8_config(n_out, G, group_size, glu, words, num_warps, split)
-    tiles = cdiv(n_out, bn)
     ws = cnt = out
     if split > 1:
-        ws, cnt = _workspace(x.device, split * M * N, tiles * M)
+        buffers = _workspace(x.device, split * M * N, cdiv(n_out, bn) * M)
+        if buffers is None:
+            bn, bg, num_warps, split = gemv_a8_config(n_out, G, group_size, glu, words, num_warps, 1)
+        else:
+            ws, cnt = buffers
+    tiles = cdiv(n_out, bn)
     if pdl is None:
         pdl = pdl_enabled(x)
     if interpreted is None:
