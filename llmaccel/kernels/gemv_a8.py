@@ -54,10 +54,14 @@ def gemv_a8_ref(x, qweight, scales, zeros, bias=None, residual=None, *, group_si
     codes, d = quantize_groups(x, group_size, G)
     w = dequantize_int4(qweight, scales, zeros, group_size, torch.float32)  # (N, G * GS)
     y = torch.einsum("...gk,ngk->...ng", codes, w.reshape(N, G, group_size))
-    y = (y * d[..., None, :]).sum(-1)
+    return finish_ref((y * d[..., None, :]).sum(-1), x, bias, residual, eps, glu)
+
+
+def finish_ref(y, x, bias, residual, eps, glu):
+    """The fused GEMVs' neighbours on fp32 row sums y: the RMSNorm factor of the unrounded x,
+    bias, SiLU-mul and residual; rounded once to x's dtype."""
     if eps is not None:
-        xf = x.float()
-        y = y * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     if bias is not None:
         y = y + bias.float()
     if glu:
@@ -148,6 +152,31 @@ if triton is not None:
         return tl.rsqrt(tl.sum(ss, 0) / K + eps)
 
     @triton.jit
+    def _split_out(WS, CNT, y, u, rn, n_ok, m, M, tile, ks, xrow, K, eps, BIAS, R, O, N_OUT, s_r,
+                   s_o, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+                   GLU: tl.constexpr, SPLIT: tl.constexpr):
+        """The last of a tile's SPLIT programs sums the partials in order, scales them by the
+        row's RMS (NORM: x is re-read, no program saw all of it) and writes the tile."""
+        last, y, u = _split_sums(WS, CNT, y, u, rn, n_ok, m, M, m * tl.num_programs(0) // SPLIT
+                                 + tile, ks, N_OUT * 2 if GLU else N_OUT, N_OUT, SPLIT, GLU)
+        if last:
+            if NORM:
+                r = _row_rstd(xrow, K, eps, 1024)
+                y = y * r
+                u = u * r
+            _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
+
+    @triton.jit
+    def _program_tile(N_OUT, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr):
+        """(x row m, tile, k chunk, the tile's rows, their mask, the chunk's groups) of this
+        program: SPLIT programs share a tile of BLOCK_N rows, each over BLOCK_G groups."""
+        pid = tl.program_id(0)
+        tile = pid // SPLIT
+        ks = pid % SPLIT
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        return tl.program_id(1), tile, ks, rn, rn < N_OUT, ks * BLOCK_G + tl.arange(0, BLOCK_G)
+
+    @triton.jit
     def _gemv_a8_kernel(X, W, S, Z, BIAS, R, O, WS, CNT, M, N_OUT, K, G, ZB, s_x, s_r, s_o, eps,
                         GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                         NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -156,13 +185,7 @@ if triton is not None:
         """Program (tile, ks) owns BLOCK_N rows over groups ks * BLOCK_G ... (SPLIT programs a
         tile): its words, scales and zero points are loaded before the wait for the kernel
         before."""
-        pid = tl.program_id(0)
-        m = tl.program_id(1)
-        tile = pid // SPLIT
-        ks = pid % SPLIT
-        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N_OUT
-        rg = ks * BLOCK_G + tl.arange(0, BLOCK_G)
+        m, tile, ks, rn, n_ok, rg = _program_tile(N_OUT, BLOCK_N, BLOCK_G, SPLIT)
         g_ok = rg < G
         w, s, z, wu, su, zu = _int4_tiles_then_wait(W, S, Z, rn, n_ok, rg, g_ok, G, ZB, N_OUT, GS,
                                                      GLU, PDL)
@@ -180,19 +203,13 @@ if triton is not None:
                 u = u * r
             _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
         else:
-            nw = N_OUT * 2 if GLU else N_OUT
-            last, y, u = _split_sums(WS, CNT, y, u, rn, n_ok, m, M, m * tl.num_programs(0) // SPLIT
-                                     + tile, ks, nw, N_OUT, SPLIT, GLU)
-            if last:
-                if NORM:
-                    r = _row_rstd(xrow, K, eps, 1024)
-                    y = y * r
-                    u = u * r
-                _gemv_out(y, u, rn, n_ok, m, BIAS, R, O, N_OUT, s_r, s_o, HAS_BIAS, HAS_RES, GLU)
+            _split_out(WS, CNT, y, u, rn, n_ok, m, M, tile, ks, xrow, K, eps, BIAS, R, O, N_OUT,
+                       s_r, s_o, HAS_BIAS, HAS_RES, NORM, GLU, SPLIT)
 
 
 def gemv_a8_config(n_out: int, groups: int, group_size: int, glu: bool, words: int | None = None,
-                   warps: int | None = None, split: int | None = None) -> tuple[int, int, int, int]:
+                   warps: int | None = None, split: int | None = None,
+                   codes_per_word: int = 8) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_G, warps, programs per tile): groups in `split` chunks of a power of two
     (fewer where that covers them), about `words` words a program. By default (one H100,
     docs/results/h100-2026-12-08-gemv-a8-sweep.json): K up to 2,048 in one chunk and tiles of up
@@ -201,7 +218,7 @@ def gemv_a8_config(n_out: int, groups: int, group_size: int, glu: bool, words: i
     if split is None:
         split = 1 if groups * group_size <= 2048 else 4
     block_g = triton.next_power_of_2(cdiv(groups, split))
-    per_row = block_g * (group_size // 8) * (2 if glu else 1)
+    per_row = block_g * (group_size // codes_per_word) * (2 if glu else 1)
     cap = words or (WORDS if split == 1 else WORDS // 2)
     block_n = 1 << (max(1, min(cap // per_row, MAX_ROWS, n_out)).bit_length() - 1)
     warps = warps or (8 if block_n * per_row >= WORDS else 4)
@@ -226,6 +243,19 @@ def _workspace(device, n_partial: int, n_counters: int):
     return hit
 
 
+def split_buffers(x, out, M: int, N: int, split: int, cfg: tuple, unsplit) -> tuple:
+    """(partials, counters, split, *cfg) of a launch with `split` programs a tile (`out` stands
+    in for the buffers unsplit); while a graph is captured before the buffers exist, the launch
+    runs unsplit with unsplit()'s (BLOCK_N, BLOCK_G, warps)."""
+    if split == 1:
+        return (out, out, 1, *cfg)
+    tiles = cdiv(N, cfg[0]) * M  # counters: at least one per (row tile, token)
+    buffers = _workspace(x.device, split * M * N, tiles)
+    if buffers is None:
+        return (out, out, 1, *unsplit())
+    return (*buffers, split, *cfg)
+
+
 def gemv_a8_triton(x, qweight, scales, zeros, bias=None, residual=None, *, group_size, eps=None,
                    glu=False, num_warps=None, words=None, split=None, pdl=None, interpreted=None):
     """gemv_a8_ref's values from the kernel (x: (..., K), unit column stride)."""
@@ -239,13 +269,9 @@ def gemv_a8_triton(x, qweight, scales, zeros, bias=None, residual=None, *, group
     w = packed_words(qweight)
     s, z = scales.contiguous(), zeros.contiguous()
     bn, bg, num_warps, split = gemv_a8_config(n_out, G, group_size, glu, words, num_warps, split)
-    ws = cnt = out
-    if split > 1:
-        buffers = _workspace(x.device, split * M * N, cdiv(n_out, bn) * M)
-        if buffers is None:
-            bn, bg, num_warps, split = gemv_a8_config(n_out, G, group_size, glu, words, num_warps, 1)
-        else:
-            ws, cnt = buffers
+    ws, cnt, split, bn, bg, num_warps = split_buffers(
+        x, out, M, N, split, (bn, bg, num_warps),
+        lambda: gemv_a8_config(n_out, G, group_size, glu, words, num_warps, 1)[:3])
     tiles = cdiv(n_out, bn)
     if pdl is None:
         pdl = pdl_enabled(x)

@@ -32,12 +32,18 @@ if triton is not None:
         return tl.fma(v, INV, -(8388608.0 * INV + 128.0))
 
     @triton.jit
-    def dp4a(c, xw, acc, ASM: tl.constexpr):
-        """acc + sum over the four bytes of c (unsigned) x the bytes of xw (signed); ASM=False
-        (the interpreter has no inline PTX) spells it out on the same words."""
+    def dp4a(c, xw, acc, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
+        """acc + sum over the four bytes of c (unsigned; signed with SIGNED) x the bytes of xw
+        (signed); ASM=False (the interpreter has no inline PTX) spells it out on the same words."""
         if ASM:
+            if SIGNED:
+                return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                                 [c, xw, acc], dtype=tl.int32, is_pure=True, pack=1)
             return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
                                              [c, xw, acc], dtype=tl.int32, is_pure=True, pack=1)
+        if SIGNED:
+            return acc + ((c << 24) >> 24) * ((xw << 24) >> 24) + ((c << 16) >> 24) * ((xw << 16) >> 24) \
+                + ((c << 8) >> 24) * ((xw << 8) >> 24) + (c >> 24) * (xw >> 24)
         return acc + (c & 0xFF) * ((xw << 24) >> 24) + ((c >> 8) & 0xFF) * ((xw << 16) >> 24) \
             + ((c >> 16) & 0xFF) * ((xw << 8) >> 24) + ((c >> 24) & 0xFF) * (xw >> 24)
 

@@ -20,8 +20,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llmaccel.kernels import (bitlinear, bitlinear_gemv, gemv_a8, gemv_kernels, gptq, paged_attention,
-                              paged_rope, pointwise, sampling)
+from llmaccel.kernels import (bitlinear, bitlinear_gemv, gemv_a8, gemv_kernels, gemv_w8, gptq,
+                              paged_attention, paged_rope, pointwise, sampling)
 
 def sig(fn, types, consts):
     out = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -75,6 +75,12 @@ for split, glu in ((1, True), (4, False)):  # gemv_int4 with int8 activations (d
                        s_x="i32", s_r="i32", s_o="i32", eps="fp32"),
                   {"GS": 128, "HAS_BIAS": False, "HAS_RES": not glu, "NORM": glu, "GLU": glu,
                    "BLOCK_N": 32, "BLOCK_G": 16, "SPLIT": split, "PDL": True, "IEEE": True, "ASM": True}))
+    cases.append((f"gemv_w8 split={split} glu={glu}", gemv_w8._gemv_w8_kernel,
+                  dict(X="*bf16", W="*i32", S="*bf16", BIAS="*bf16", R="*bf16", O="*bf16", WS="*fp32",
+                       CNT="*i32", M="i32", N_OUT="i32", K="i32", KW="i32", s_x="i32", s_r="i32",
+                       s_o="i32", eps="fp32"),
+                  {"HAS_BIAS": False, "HAS_RES": not glu, "NORM": glu, "GLU": glu, "BLOCK_N": 32,
+                   "BLOCK_G": 8, "SPLIT": split, "PDL": True, "IEEE": True, "ASM": True}))
 RP = {n: "i32" for n in ("sq_b sq_h sk_b sk_h sv_b sv_h sc_blk sc_s sc_h sbt s_cos so_b so_h smo_s smo_h "
                          "smo_p sml_s sml_h").split()}
 RP.update(Q="*bf16", K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", KS="*bf16", VS="*bf16", POS="*i64",
