@@ -131,6 +131,13 @@ def _w4(group: int) -> list[str]:
     return ["--passes", "fuse,quant", "--set", "quant.bits=4", "--set", f"quant.group_size={group}",
             "--set", "quant.method=rtn", "--set", "quant.lm_head=true"]
 
+
+def _w8() -> list[str]:
+    """int8 per output channel, the LM head too."""
+    return ["--passes", "fuse,quant", "--set", "quant.bits=8", "--set", "quant.method=rtn",
+            "--set", "quant.lm_head=true"]
+
+
 def _w4_compile(o: Options, row: str) -> list[Job]:
     """`llmc compile SRC --passes quant` with its defaults (4 bits, awq+gptq, 128 calibration
     windows of wikitext2's first half; a preset reads the text as bytes: the time does not depend
@@ -150,6 +157,7 @@ ROWS = {
     "b64s": _goal("llama-1b", 64, "llmc_llama-1b_bs64_sampled", 200, *SAMPLED, peer=False),
     "w4": lambda o, row: [_bench(o, row, "llmc_llama-1b-int4_bs1", "llama-1b", 1, 240,
                                  *_w4(32 if o.small else 128))],
+    "w8": lambda o, row: [_bench(o, row, "llmc_llama-1b-int8_bs1", "llama-1b", 1, 240, *_w8())],
     "7b": _goal("llama2-7b", 1, "llmc_llama2-7b_bs1", 240),
     "load": _script("load_llama-1b_256", "gpu_runtime_check.py", 300, ["--load-only", "--graphs", "on"],
                     "gpu_runtime_check.json", small_args=["--load-only", "--graphs", "off", "--small", "--requests", "8"]),
@@ -177,7 +185,7 @@ ROWS = {
     "spec_ngram": _spec("ngram"),
 }
 GROUPS = {
-    "goals": ["b1", "b1s", "smol", "smols", "b64", "b64s", "w4", "7b", "load"],
+    "goals": ["b1", "b1s", "smol", "smols", "b64", "b64s", "w4", "w8", "7b", "load"],
     "checks": ["tests", "kernels", "gemv", "bitlinear", "sla", "sla_llm", "sparse", "heal", "heal_sampling",
                "w4compile"],
     "specs": ["spec", "spec_self", "spec_ngram"],

@@ -30,6 +30,7 @@ GOALS = [
     Goal("llama-1b bs64", "llmc_llama-1b_bs64", "fast_llama-1b_bs64", 40_000),
     Goal("llama-1b bs64 sampled", "llmc_llama-1b_bs64_sampled", "fast_llama-1b_bs64", None, "llmc_llama-1b_bs64"),
     Goal("llama-1b W4 int4-head bs1", "llmc_llama-1b-int4_bs1", "fast_llama-1b_bs1", 1289),
+    Goal("llama-1b W8 int8-head bs1", "llmc_llama-1b-int8_bs1", "fast_llama-1b_bs1", None),
     Goal("llama2-7b bs1", "llmc_llama2-7b_bs1", "fast_llama2-7b_bs1", 270),
 ]
 
