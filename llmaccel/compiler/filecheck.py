@@ -279,6 +279,19 @@ def load_safetensors(path, device: str = "cpu") -> dict:
 
     check_safetensors(path)
     try:
-        return load_file(str(path), device=str(device))
+        tensors = load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
         raise LlmaccelError(f"cannot read {path}: {e}") from None
+    return {k: aligned(v) for k, v in tensors.items()}
+
+
+ALIGN = 64  # bytes: a cache line, and what vectorized CPU kernels assume of their operands
+
+
+def aligned(t):
+    """`t`, or a copy of it at an aligned address. A CPU tensor loaded from a safetensors file
+    starts where the header's offsets put it (any byte), and aten's CPU int8 weight-only GEMM
+    faults on an unaligned int8 weight at 2+ rows (torch 2.13)."""
+    if t.device.type != "cpu" or t.data_ptr() % ALIGN == 0 or t.numel() == 0:
+        return t
+    return t.clone()  # a fresh allocation: aligned by the allocator

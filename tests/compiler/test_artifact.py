@@ -52,3 +52,23 @@ def test_artifact_target_outside_allowlist_is_refused(tmp_path):
     (tmp_path / "a" / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(LlmaccelError, match="outside the allowed modules"):
         load(str(tmp_path / "a"))
+
+
+def test_a_loaded_w8_artifact_is_aligned_and_prefills_on_the_cpu(tmp_path):
+    """Tensors of a safetensors file start at any byte; aten's CPU int8 weight-only GEMM faulted
+    (SIGSEGV) on such an int8 weight at 2+ rows, so `llmc generate` of every W8 artifact died in
+    its first prefill. Loading copies unaligned tensors to aligned memory."""
+    from llmaccel import LLM, SamplingParams
+    from llmaccel.compiler.filecheck import ALIGN
+
+    m = compile("preset:tiny-llama", ["fuse", "quant"], {"quant": {"bits": "8", "method": "rtn"}},
+                eval_tokens=0, progress=False)
+    m.save(tmp_path / "w8")
+    back = load(str(tmp_path / "w8"))
+    assert all(t.data_ptr() % ALIGN == 0 for t in back.gm.state_dict().values())
+    q = next(t for t in back.gm.state_dict().values() if t.dtype == torch.int8)
+    torch.ops.aten._weight_int8pack_mm(torch.randn(6, q.shape[1]).bfloat16(), q,
+                                       torch.ones(q.shape[0], dtype=torch.bfloat16))
+    llm = LLM(str(tmp_path / "w8"), device="cpu", compile=False)
+    out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
