@@ -21,7 +21,7 @@ def _gemv_op():
 def _gemv_targets() -> dict:
     """{fused GEMV op: position of its residual argument}."""
     out = {}
-    for name, pos in (("gemv", 3), ("gemv_int4", 5), ("gemv_int8", 4)):
+    for name, pos in (("gemv", 3), ("gemv_int4", 5)):
         op = custom_op("llmaccel", name)
         if op is not None:
             out[op.default] = pos
@@ -42,22 +42,8 @@ def int4_gemv_weights(node: torch.fx.Node) -> bool:
         all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1:4])
 
 
-def int8_gemv_weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether a linear_int8 node (IR op or its custom op) reads stored weights that
-    llmaccel::gemv_int8 takes (int8 codes, K a multiple of 4: read as int32 words)."""
-    lin = custom_op("llmaccel", "linear_int8")
-    if node.op != "call_function" or not (node.target is qops.linear_int8 or
-                                          (lin is not None and node.target in (lin, lin.default))):
-        return False
-    if len(node.args) > 4 or node.kwargs or \
-            not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1:3]):
-        return False
-    w = weight_of(gm, node.args[1])
-    return w.dtype == torch.int8 and w.dim() == 2 and w.shape[1] % 4 == 0
-
-
 def int8_activations(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether an int4 or int8 GEMV rounds x to int8 per group (gemv_a8.py): in graphs of half-precision
+    """Whether an int4 GEMV rounds x to int8 per group (gemv_a8.py): in graphs of half-precision
     scales (bf16 / fp16 runs, whose x already has 8 bits of mantissa), where the integer dot
     products decode 1.5-1.9x faster; fp32 graphs keep the exact form (greedy identity with the
     reference executor). ΔPPL of the rounding: docs/quality.md."""
@@ -146,18 +132,18 @@ def _norm_into_gemv(graph: torch.fx.Graph, norm: torch.fx.Node) -> bool:
 
 
 def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Linears with stored floating-point weights become llmaccel::gemv, linear_int4 with
-    stored weights llmaccel::gemv_int4 and linear_int8 llmaccel::gemv_int8, with their neighbours inside: silu_mul after a gate/up
+    """Linears with stored floating-point weights become llmaccel::gemv, and linear_int4 with
+    stored weights llmaccel::gemv_int4, with their neighbours inside: silu_mul after a gate/up
     GEMV, the residual add after an o / down GEMV, the weightless RMSNorm before a GEMV.
-    Returns counts {gemv (all GEMVs), int4 (of which gemv_int4), int8 (gemv_int8: half-precision
-    graphs only), act8 (of which with int8 activations), glu, residual, norm}."""
+    Returns counts {gemv (all GEMVs), int4 (of which gemv_int4), act8 (of which with int8
+    activations), glu, residual, norm}."""
     if _gemv_op() is None:
         load_kernel_modules()  # registers llmaccel::gemv and gemv_int4
-    counts = dict.fromkeys(("gemv", "int4", "int8", "act8", "glu", "residual", "norm"), 0)
+    counts = dict.fromkeys(("gemv", "int4", "act8", "glu", "residual", "norm"), 0)
     targets = _gemv_targets()
     if not targets:
         return counts
-    op, op4, op8 = _gemv_op(), custom_op("llmaccel", "gemv_int4"), custom_op("llmaccel", "gemv_int8")
+    op, op4 = _gemv_op(), custom_op("llmaccel", "gemv_int4")
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is ops.linear:
@@ -173,11 +159,6 @@ def gemv_rewrites(gm: torch.fx.GraphModule) -> dict[str, int]:
             counts["gemv"] += 1
             counts["int4"] += 1
             counts["act8"] += act8
-        elif op8 is not None and int8_gemv_weights(gm, node) and int8_activations(gm, node):
-            retarget(node, op8.default)  # (x, qweight, scales, bias): the same arguments
-            counts["gemv"] += 1
-            counts["int8"] += 1
-            counts["act8"] += 1
     for node in list(graph.nodes):
         if node.target in targets and _glu_into_gemv(graph, node):
             counts["glu"] += 1

@@ -28,7 +28,7 @@ from llmaccel.ops.rope import rope_inv_freq, rope_table
 from llmaccel.ops.table import OPS, spec_of
 from llmaccel.codegen.kernel_ops import accepts, custom_op, load_kernel_modules, retarget
 from llmaccel.codegen.gemv_rewrites import gemv_rewrites, int4_gemv_weights
-from llmaccel.kernels.int_codes import (linear_bf16_cpu, lm_head_cpu, prepare_bf16_cpu,
+from llmaccel.kernels.int_codes import (int8_mm_cpu, linear_bf16_cpu, prepare_bf16_cpu,
                                         prepare_head_cpu)
 
 def ir_op_name(node: torch.fx.Node) -> str | None:
@@ -249,7 +249,7 @@ def lower(gm: torch.fx.GraphModule, *, max_len: int, select="all", linear: str =
     # a weight-quantized graph runs its CPU linears' x in bf16 (int_codes.cpu_act_dtype): its LM
     # head too, a third of a W4 decode step in fp32 (not in the fused GEMVs' lowering: that is
     # CUDA's decode path, which the CPU only checks against the references)
-    quantized = any(ir_op_name(n) in ("linear_int4", "linear_int8") for n in new.graph.nodes)
+    quantized = any(ir_op_name(n) in ("linear_int4", "linear_int8", "linear_w8a8") for n in new.graph.nodes)
     for node in list(new.graph.nodes):
         name = ir_op_name(node)
         if name is None:
@@ -317,7 +317,7 @@ def _lower_op(gm, node, name: str, device, namespace: str, linear: str, quantize
     form = cpu_forms().get(name) if device.type == "cpu" and namespace == "llmaccel" and not (
         linear == "gemv" and int4_gemv_weights(node)) else None
     if name == "lm_head" and device.type == "cpu" and quantized and linear != "gemv":
-        form = (prepare_head_cpu, lm_head_cpu, 1)
+        form = (prepare_head_cpu, int8_mm_cpu, 1)
     elif name in ("linear", "lm_head") and device.type == "cpu" and namespace == "llmaccel" \
             and linear != "gemv":
         form = (prepare_bf16_cpu, linear_bf16_cpu, 1)

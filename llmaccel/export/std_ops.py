@@ -192,6 +192,23 @@ def t_linear_int8(env, node, x, qweight, scales, bias=None):
     return _bias(env, b.op("MatMul", [x, b.op("Transpose", [w], perm=[1, 0])]), bias)
 
 
+def t_linear_w8a8(env, node, x, qweight, scales, smooth, bias=None):
+    """The reference in fp32 standard ops: x * smooth rounded per row (Round is half to even, as
+    torch.round) times absmax / 127, then a MatMul with the dequantized int8 weight."""
+    b = env.b
+    h = b.op("Mul", [x if b.onnx_dtype == F32 else b.cast(x, F32),
+                     b.weight(smooth.name + ".f32", lambda: smooth.tensor.float())])
+    amax = b.op("ReduceMax", [b.op("Abs", [h]), b.const([-1], np.int64, "axes")], keepdims=1)
+    s = b.op("Div", [b.op("Max", [amax, b.const(np.float32(np.finfo(np.float32).tiny))]),
+                     b.const(np.float32(127.0))])
+    w = b.weight(qweight.name + ".w8a8_t", lambda: quant.dequantize_int8(
+        qweight.tensor, scales.tensor, torch.float32).t().contiguous())
+    y = b.op("MatMul", [b.op("Mul", [b.op("Round", [b.op("Div", [h, s])]), s]), w])
+    if bias is not None:
+        y = b.op("Add", [y, b.weight(bias.name + ".f32", lambda: bias.tensor.float())])
+    return b.to_compute(y, F32)
+
+
 def t_bitlinear(env, node, x, w_packed, w_scale, bias=None, *, in_features, out_features):
     """BitNet b1.58 in standard ops, as the reference computes it in fp32: per-token absmax
     int8 activation codes (Round is half to even, as torch.round), an exact integer-valued
@@ -364,6 +381,7 @@ TRANSLATIONS = {
     ops.add_layer_norm: t_add_layer_norm, ops.rope: t_rope, ops.attention: t_attention,
     ops.silu_mul: t_silu_mul, ops.gelu_mul: t_gelu_mul, ops.relu_mul: t_relu_mul, ops.gelu: t_gelu,
     ops.lm_head: t_lm_head, quant.linear_int4: t_linear_int4, quant.linear_int8: t_linear_int8,
+    quant.linear_w8a8: t_linear_w8a8,
     sparse.sparse_down: t_sparse_down, sparse.relu_glu: t_relu_glu,
     bitlinear.bitlinear: t_bitlinear, bitlinear.rms_norm_bitlinear: t_rms_norm_bitlinear,
     repbn.batch_norm: t_batch_norm, repbn.norm_affine: t_norm_affine,

@@ -1,5 +1,8 @@
-"""gemv over int8 weights (linear_int8's codes, one scale per output row) with int8 activations:
-the decode GEMV of W8 graphs in bf16 / fp16, one dp4a per int32 word of 4 weights.
+"""gemv over int8 weights (linear_int8's codes, one scale per output row) with int8 activations,
+one dp4a per int32 word of 4 weights. Not on the engine's path: its rounding of x per 128
+columns costs W8 +0.3-0.9 points of ppl where W8 itself costs +0.1-0.8% (docs/quality.md), and
+its speed is not measured yet; linear_w8a8 (x per row, after SmoothQuant) is what a W8A8 decode
+GEMV must compute.
 
   llmaccel::gemv_int8(x, qweight, scales, bias=None, residual=None, *, eps=None, glu=False)
       y = s_n * sum_g d_g * sum_k q_nk c_k: x rounded to int8 codes c per group of 128 columns
@@ -8,7 +11,7 @@ the decode GEMV of W8 graphs in bf16 / fp16, one dp4a per int32 word of 4 weight
 
 Like gemv_a8 (whose x rounding, split-K and epilogues it shares), it exists because the float
 form of a weight-only GEMV spends ~10 instructions a weight byte and stalls on issue well below
-the copy bandwidth; here a byte costs a quarter of a dp4a. fp32 graphs keep linear_int8.
+the copy bandwidth; here a byte costs a quarter of a dp4a.
 """
 from __future__ import annotations
 

@@ -192,24 +192,56 @@ def linear_bf16_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.nn.functional.linear(x.to(weight.dtype), weight, b).to(x.dtype)
 
 
+def int8_codes_cpu(codes: torch.Tensor, scale: torch.Tensor) -> tuple:
+    """(codes as a (K, N) view, their column sums, fp32 scales) for int8_mm_cpu, from int8
+    codes (N, K) with one scale per row."""
+    return codes.t(), codes.sum(1, dtype=torch.int32).float(), scale.float()
+
+
+def int8_mm_cpu(x: torch.Tensor, codes_t: torch.Tensor, csum: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (codes_t * scale) + bias on the CPU by one int8 x int8 GEMM (torch._int_mm, oneDNN's
+    VNNI kernels, int32 sums). x is rounded to 16 bits per row (absmax / 32767) and split into
+    two int8 halves, hi and lo - 128, stacked as 2M rows so the codes are read once:
+    sum(x16 w) = 256 sum(hi w) + sum((lo - 128) w) + 128 sum(w). One int8 half alone (Q8_0's
+    rounding, per row) cost +2.6-4.0% ppl on W8; 16 bits is finer than bf16 x. From memory on 2
+    AVX-512 cores, SmolLM2's 30 layers of int8 linears at one row: 3.3 ms against 8.8 for aten's
+    weight-only int8 GEMM with x in bf16 (docs/performance.md, CPU). codes_t, csum, scale: from
+    int8_codes_cpu, converted once at lowering."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    s = x2.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 32767
+    q = torch.round(x2 / s).to(torch.int32)
+    hi = torch.div(q, 256, rounding_mode="floor")
+    halves = torch.cat([hi, q - 256 * hi - 128]).to(torch.int8)
+    acc = torch._int_mm(halves, codes_t).float()
+    m = x2.shape[0]
+    out = (acc[:m] * 256 + acc[m:] + csum * 128) * (s * scale)
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*shape[:-1], codes_t.shape[1]).to(x.dtype)
+
+
+def w8a8_mm_cpu(x: torch.Tensor, codes_t: torch.Tensor, smooth: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.quant.linear_w8a8 on the CPU: x * smooth rounded to int8 per row, one int8 x int8 GEMM
+    (torch._int_mm at M = the rows: oneDNN's one-row kernel reads the codes at ~2.7x the rate
+    of aten's weight-only GEMM), int32 sums scaled once per row and output. codes_t: the (N, K)
+    codes as a (K, N) view; smooth, scale fp32 (prepare_w8a8_cpu)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float() * smooth
+    s = x2.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    out = torch._int_mm(torch.round(x2 / s).to(torch.int8), codes_t).float() * (s * scale)
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*shape[:-1], codes_t.shape[1]).to(x.dtype)
+
+
 def prepare_head_cpu(weight):
-    """(int8 codes (N, K), per-row scales in cpu_act_dtype) of the LM head for lm_head_cpu,
-    converted once at lowering: symmetric, one scale per vocabulary row (absmax / 127)."""
+    """int8_codes_cpu's tensors for the LM head, converted once at lowering: symmetric codes, one
+    scale per vocabulary row (absmax / 127; llama.cpp's Q4 files keep the head in Q8_0 too).
+    SmolLM2's 49,152 x 576 head on 2 AVX-512 cores at one row: fp32 10.2 ms, bf16 4.4-5.1, int8
+    codes with x in bf16 2.2 (docs/performance.md, CPU): the largest single read of a W4 step."""
     w = weight.float()
     scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes, scale.to(cpu_act_dtype(weight.dtype))
-
-
-def lm_head_cpu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head of a weight-quantized graph on the CPU, in int8 codes read by aten's
-    weight-only GEMM with x in cpu_act_dtype (llama.cpp's Q4 files keep the head in Q8_0 too).
-    SmolLM2's 49,152 x 576 head on 2 AVX-512 cores at one row: fp32 10.2 ms, bf16 4.4-5.1,
-    int8 2.2 (docs/performance.md, CPU), the largest single read of a W4 decode step."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).to(scale.dtype).contiguous()
-    out = torch.ops.aten._weight_int8pack_mm(x2, codes, scale)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
-    return out.reshape(*shape[:-1], codes.shape[0]).to(x.dtype)
+    return int8_codes_cpu(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale)

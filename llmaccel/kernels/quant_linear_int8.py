@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from llmaccel.kernels import cdiv, device_name, registered, sm_count
-from llmaccel.kernels.int_codes import cpu_act_dtype, finish, out_buffer, packed_words, rows_of
+from llmaccel.kernels.int_codes import (cpu_act_dtype, finish, int8_codes_cpu, int8_mm_cpu, out_buffer,
+                                        packed_words, rows_of, w8a8_mm_cpu)
 from llmaccel.kernels.quant_linear_configs import GEMV_MAX_M, _pow2, int8_config
 from llmaccel.ops import quant as ref
 
@@ -174,13 +175,21 @@ if not registered("linear_int8"):
 
 
 def prepare_int8_cpu(qweight, scales):
-    """(codes, scales in the GEMM's dtype) for linear_int8_cpu, converted once at lowering (a
-    conversion inside a compiled step is a pointwise node, which Inductor's lowering of the aten
-    op does not take); None where linear_int8_cpu would take the reference."""
-    if qweight.dtype != torch.int8 or qweight.shape[-1] % 8 or not scales.is_floating_point():
+    """int8_codes_cpu's tensors for int8_mm_cpu, converted once at lowering (a conversion inside
+    a compiled step is a pointwise node, which Inductor's lowering of the aten op does not take);
+    None for anything but int8 codes (N, K) with floating-point scales."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not scales.is_floating_point():
         return None
-    return qweight, scales.to(cpu_act_dtype(scales.dtype))
+    return int8_codes_cpu(qweight, scales)
+
+
+def prepare_w8a8_cpu(qweight, scales, smooth):
+    """(codes as a (K, N) view, fp32 smooth, fp32 scales) for w8a8_mm_cpu, once at lowering."""
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not scales.is_floating_point():
+        return None
+    return qweight.t(), smooth.float(), scales.float()
 
 
 # The lowering calls this form directly on the CPU (see quant_linear.CPU_FORMS).
-CPU_FORMS = {"linear_int8": (prepare_int8_cpu, linear_int8_cpu, 2)}
+CPU_FORMS = {"linear_int8": (prepare_int8_cpu, int8_mm_cpu, 2),
+             "linear_w8a8": (prepare_w8a8_cpu, w8a8_mm_cpu, 3)}

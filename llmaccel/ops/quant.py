@@ -1,6 +1,8 @@
 """Quantized linear IR ops and the packing they read (layout: docs/quant-format.md).
 
 linear_int8: symmetric int8 weights, one scale per output channel.
+linear_w8a8: the same weights; x times a per-channel `smooth` factor (SmoothQuant's migration,
+kept as a multiply: the rounding reads x anyway) rounded to int8 per row, absmax / 127.
 linear_int4: asymmetric 4-bit weights in groups of `group_size` along the input dimension,
 packed two per byte low nibble first, with per-group scales and packed 4-bit zero points,
 exactly the tensors ONNX Runtime's MatMulNBits (com.microsoft, bits=4) takes:
@@ -18,8 +20,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["linear_int8", "linear_int4", "pack_int4", "unpack_int4", "dequantize_int4",
-           "dequantize_int8"]
+__all__ = ["linear_int8", "linear_w8a8", "round_rows_int8", "linear_int4", "pack_int4",
+           "unpack_int4", "dequantize_int4", "dequantize_int8"]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -66,6 +68,23 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return F.linear(x, dequantize_int8(qweight, scales, x.dtype), bias)
 
 
+def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per row: codes round(x / s) (half to even) times s = absmax / 127,
+    in fp32."""
+    x = x.float()
+    s = x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return torch.round(x / s) * s
+
+
+def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, smooth: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """round_rows_int8(x * smooth) @ (qweight * scales[:, None]).T + bias, in fp32, returned in
+    x's dtype; qweight int8 (N, K), scales (N,), smooth (K,)."""
+    w = dequantize_int8(qweight, scales, torch.float32)
+    b = None if bias is None else bias.float()
+    return F.linear(round_rows_int8(x.float() * smooth.float()), w, b).to(x.dtype)
+
+
 def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None = None, *, group_size: int) -> torch.Tensor:
     """x @ dequantize_int4(...).T + bias, in the MatMulNBits layout above.
@@ -78,4 +97,5 @@ def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 
 torch.fx.wrap("linear_int8")
+torch.fx.wrap("linear_w8a8")
 torch.fx.wrap("linear_int4")

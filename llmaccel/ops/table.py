@@ -72,6 +72,9 @@ _SPECS = [
     OpSpec(ops.gelu, "activation"),
     OpSpec(ops.lm_head, "head"),
     OpSpec(quant.linear_int8, "linear", made_by="quant", kernel="quant_linear_int8"),
+    # no custom op: CPU graphs take its CPU form (quant_linear_int8.CPU_FORMS), GPU graphs the
+    # reference (no W8A8 GPU kernel yet)
+    OpSpec(quant.linear_w8a8, "linear", made_by="quant"),
     OpSpec(quant.linear_int4, "linear", made_by="quant", kernel="quant_linear"),
     OpSpec(kvquant.kv_quant_attention, "attention", made_by="kvquant", context=True),
     OpSpec(bl.bitlinear, "linear", made_by="bitlinear", kernel="bitlinear"),

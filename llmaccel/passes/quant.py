@@ -1,4 +1,5 @@
-"""quant: weight-only quantization of the linears (int8 per channel; int4 group-wise, asymmetric).
+"""quant: weight quantization of the linears (int8 per channel; int4 group-wise, asymmetric), and
+int8 activations with int8 weights (act=int8, W8A8: SmoothQuant's migration, then x per row).
 
 Methods: rtn (round to nearest), awq (activation-aware per-input-channel scales folded into the
 preceding norm or linear, plus activation-aware clipping), gptq (Hessian-based error
@@ -27,7 +28,8 @@ from llmaccel.kernels.gptq import gptq_block
 from llmaccel.kernels.int_codes import cpu_bf16_dots
 from llmaccel.passes.base import Pass, PassContext, PassResult
 from llmaccel.ir import add_weight, is_op, positions, prune_weights, replace_weight, weight_of
-from llmaccel.quant.algorithms import Grid, awq_clip, awq_scale, gptq, refit_scales, source_correct
+from llmaccel.quant.algorithms import (Grid, awq_clip, awq_scale, gptq, refit_scales, smooth_scale,
+                                      source_correct)
 
 __all__ = ["PASS", "QuantConfig", "Grid", "awq_clip", "awq_scale", "gptq", "source_correct"]
 
@@ -56,6 +58,10 @@ class QuantConfig:
     match_source: bool = False   # calibrated: fit the source model's outputs, not the quantized path's
     range_search: int = 0        # shrink steps searched per group range where AWQ did not clip
     refit: bool = True           # calibrated int4: least-squares group scales for the final codes
+    # int8: x rounded to int8 per row too (W8A8), after SmoothQuant's per-channel migration of
+    # strength `smooth` (its scaling replaces AWQ's); on SmolLM2 alpha 0.65 beat 0.5 and 0.8
+    act: Literal["none", "int8"] = "none"
+    smooth: float = 0.65
 
     def __post_init__(self):
         if self.bits not in (8, 4):
@@ -69,6 +75,12 @@ class QuantConfig:
         for k in ("n_samples", "seq_len", "awq_tokens"):
             if getattr(self, k) < 1:
                 raise LlmaccelError(f"quant.{k}={getattr(self, k)}: must be positive")
+        if self.act not in ("none", "int8"):
+            raise LlmaccelError(f"quant.act={self.act}: expected none or int8")
+        if self.act == "int8" and self.bits != 8:
+            raise LlmaccelError("quant.act=int8 needs quant.bits=8 (int8 weights with int8 activations)")
+        if not 0 <= self.smooth <= 1:
+            raise LlmaccelError(f"quant.smooth={self.smooth}: expected a value in [0, 1]")
         if not 0 < self.damp < 1:
             raise LlmaccelError(f"quant.damp={self.damp}: expected a value in (0, 1)")
 
@@ -228,7 +240,11 @@ class _Quantizer:
             # follows quantizes them (rows are independent: one solve for the group).
             sizes = [w.shape[0] for w in ws]
             ws = list(source_correct(torch.cat(ws), x_src.reshape(-1, K).float(), xs, c.damp).split(sizes))
-        if "awq" in c.method:
+        smooth = None
+        if c.act == "int8":
+            s = smooth_scale(xs, ws, c.smooth)
+            ws, xs, smooth = [w * s for w in ws], xs / s, 1 / s
+        elif "awq" in c.method:
             sink = find_sink(xnode, group, self.mc.n_heads, self.mc.n_kv_heads, c.gqa_o)
             if isinstance(sink, tuple) and (sink[0] == "norm" or sink[1] in self.records):
                 s = awq_scale(sub, ws, grid, tie=sink[3] if sink[0] == "rows" else None, duo=c.awq_duo)
@@ -251,14 +267,15 @@ class _Quantizer:
             b = weight_of(self.gm, b_node)
             self.records[u] = dict(q=q[rows], scale=scale[rows], zero=zero[rows], grid=grid, K=K,
                                    bias_node=b_node, bias=None if b is None else b.float().clone(),
-                                   bias_changed=False)
+                                   bias_changed=False, smooth=smooth)
         self.bar.update(1)
         if outputs is None or not self.pending:
             return
         for u in group:
             r = self.records[u]
             w = grid.dequant(r["q"], r["scale"], r["zero"], K)
-            outputs[u] = _linear(xs.view(*x.shape[:-1], K), w, r["bias"]).to(x.dtype)
+            xq = xs if smooth is None else qops.round_rows_int8(xs)
+            outputs[u] = _linear(xq.view(*x.shape[:-1], K), w, r["bias"]).to(x.dtype)
 
     def _codes(self, w_all, xs, grid):
         """(codes, scales, zeros) of a group's rows, which are independent given H: one GPTQ (or
@@ -337,6 +354,9 @@ class _Quantizer:
             qw = add_weight(gm, stem + ".qweight", r["q"].to(torch.int8), node)
             sc = add_weight(gm, stem + ".scales", r["scale"][:, 0].to(dt), node)
             target, args, kw = qops.linear_int8, (x, qw, sc, b_node), {}
+            if r["smooth"] is not None:
+                sm = add_weight(gm, stem + ".smooth", r["smooth"].float(), node)
+                target, args = qops.linear_w8a8, (x, qw, sc, sm, b_node)
         else:
             packed = qops.pack_int4(r["q"].reshape(N, -1, grid.gs).to(torch.uint8))
             qw = add_weight(gm, stem + ".qweight", packed, node)
@@ -355,7 +375,8 @@ def _nbytes(*ts) -> int:
 
 class Quant(Pass):
     name = "quant"
-    summary = "weight quantization: int8 per channel; int4 group-wise (RTN, AWQ, GPTQ, AWQ+GPTQ)"
+    summary = ("weight quantization: int8 per channel; int4 group-wise (RTN, AWQ, GPTQ, AWQ+GPTQ); "
+               "W8A8 with act=int8")
     exact = False
     config_cls = QuantConfig
 
@@ -367,7 +388,8 @@ class Quant(Pass):
         n_groups = len({n.args[0] for n in targets})
         # the calibration text first: its sampling has a bar of its own, and this one's rate and
         # time left count the quantization only
-        ids = None if c.method == "rtn" else ctx.calib_tokens(c.n_samples, c.seq_len).to(ctx.device)
+        calibrated = c.method != "rtn" or c.act == "int8"  # smoothing reads the activations
+        ids = ctx.calib_tokens(c.n_samples, c.seq_len).to(ctx.device) if calibrated else None
         bar = ctx.progress(None, desc=f"quant {c.method} w{c.bits}", total=n_groups, unit="group")
         qz = _Quantizer(gm, c, ctx.config, bar)
         qz.pending, qz.n_groups = set(targets), n_groups
@@ -388,12 +410,12 @@ class Quant(Pass):
         c = self.config
         q_bytes = 0
         for n in gm.graph.nodes:
-            if is_op(n, qops.linear_int4, qops.linear_int8):
-                stored = n.args[1:4] if n.target is qops.linear_int4 else n.args[1:3]
+            if is_op(n, qops.linear_int4, qops.linear_int8, qops.linear_w8a8):
+                stored = n.args[1:4] if n.target in (qops.linear_int4, qops.linear_w8a8) else n.args[1:3]
                 q_bytes += sum(_nbytes(weight_of(gm, a)) for a in stored)
         n_weights = sum(r["q"].shape[0] * r["K"] for r in qz.records.values())
         padded = sorted({r["K"] for r in qz.records.values() if r["K"] % r["grid"].gs})
-        st = {"bits": c.bits, "method": c.method, "quantized": len(targets),
+        st = {"bits": c.bits, "act": c.act, "method": c.method, "quantized": len(targets),
               "bytes_per_weight": round(q_bytes / n_weights, 4),
               "size_ratio_vs_source": round(fp_bytes / q_bytes, 2)}
         if c.bits == 4:
@@ -402,7 +424,9 @@ class Quant(Pass):
             st["fp32_hessians"] = qz.fp32_hessians
         if padded:
             st["padded_in_features"] = padded  # last group of these layers is partial (zero-padded)
-        if "awq" in c.method:
+        if c.act == "int8":
+            st["smooth"] = c.smooth
+        elif "awq" in c.method:
             st["awq_scaled"] = qz.n_groups - len(qz.awq_skipped)
             reasons: dict = {}
             for why in qz.awq_skipped.values():

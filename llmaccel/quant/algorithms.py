@@ -119,6 +119,18 @@ def awq_scale(x: torch.Tensor, ws: list[torch.Tensor], grid: Grid, n_grid: int =
     return best_s
 
 
+def smooth_scale(x: torch.Tensor, ws: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors s = max|x_j|^alpha / max|w_j|^(1 - alpha) (x
+    (tokens, K) of calibration text; ws the weights (rows, K) reading it): x / s and w * s give
+    the same product, with x's outlier channels moved into the weights, which are quantized per
+    row. Channels never active (or of all-zero weights) keep s = 1."""
+    a = x.abs().amax(0).float()
+    w = torch.cat(ws).abs().amax(0).float()
+    s = a.pow(alpha) / w.pow(1 - alpha)
+    ok = (a > 0) & (w > 0) & torch.isfinite(s)
+    return torch.where(ok, s, torch.ones_like(s)).clamp(1e-5, 1e5)
+
+
 def awq_clip(x: torch.Tensor, w: torch.Tensor, grid: Grid, n_grid: int = 20,
              max_shrink: float = 0.5, chunk: int = 256) -> torch.Tensor:
     """Clamp each (row, group) of w to a shrunk range chosen to minimise that group's output

@@ -47,6 +47,7 @@ def _head(graph: torch.fx.Graph) -> torch.fx.Node | None:
         return heads[0] if len(heads) == 1 else None
     out = graph.output_node().args[0]
     logits = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
-    if isinstance(logits, torch.fx.Node) and is_op(logits, ops.linear, qops.linear_int4, qops.linear_int8):
+    if isinstance(logits, torch.fx.Node) and is_op(logits, ops.linear, qops.linear_int4, qops.linear_int8,
+                                                          qops.linear_w8a8):
         return logits
     return None

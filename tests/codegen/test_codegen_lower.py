@@ -66,29 +66,30 @@ def test_select_limits_lowering_and_traces_whole():
 
 
 def test_a_weight_quantized_graph_runs_its_cpu_lm_head_in_int8_and_a_plain_one_in_fp32():
-    """On the CPU the linears of a W4/W8 graph take x in bf16 (int_codes.cpu_act_dtype), and its
-    LM head reads int8 codes with one scale per row (lm_head_cpu, converted once); the logits
-    stay within those roundings of the unlowered graph's. An unquantized fp32 graph keeps the
-    reference's head."""
+    """On the CPU the int4 linears of a W4 graph take x in bf16 (int_codes.cpu_act_dtype); its int8
+    linears and every weight-quantized graph's LM head run int8_mm_cpu (x at 16 bits a row; the
+    head in int8 codes with one scale per row, converted once); the logits stay within those
+    roundings of the unlowered graph's. An unquantized fp32 graph keeps the reference's head."""
     from llmaccel.ir import weight_of
-    from llmaccel.kernels.int_codes import lm_head_cpu
+    from llmaccel.kernels.int_codes import int8_mm_cpu
 
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(5))
     for bits in ("4", "8"):
         m = compile("preset:tiny-llama", ["quant"], {"quant": {"method": "rtn", "bits": bits, "group_size": "32"}},
                     eval_tokens=0, progress=False)
         low, rep = lower(m.gm, max_len=64, select="eager")
-        heads = [n for n in low.graph.nodes if n.target is lm_head_cpu]
+        heads = [n for n in low.graph.nodes if n.target is int8_mm_cpu
+                 and weight_of(low, n.args[1]).shape[1] == m.config.vocab_size]
         assert len(heads) == 1 and not any(n.target is ops.lm_head for n in low.graph.nodes)
-        codes, scale = weight_of(low, heads[0].args[1]), weight_of(low, heads[0].args[2])
-        assert codes.dtype == torch.int8 and scale.dtype == torch.bfloat16
+        codes, scale = weight_of(low, heads[0].args[1]), weight_of(low, heads[0].args[3])
+        assert codes.dtype == torch.int8 and scale.dtype == torch.float32
         want = executor.forward(m.gm, ids)
         got = executor.forward(low, ids)
         assert got.dtype == torch.float32
-        # the linears' bf16 x, the head's int8 codes (half a step of absmax / 127 a weight) and
-        # its bf16 scales, x and logits: a few bf16 roundings
+        # the int4 linears' bf16 x and the head's int8 codes (half a step of absmax / 127 a
+        # weight): a few bf16 roundings
         assert (got - want).abs().max() <= 2 ** -5 * want.abs().max(), bits
     plain = load("preset:tiny-llama")
     low, _ = lower(plain.gm, max_len=64, select="eager")
-    assert not any(n.target is lm_head_cpu for n in low.graph.nodes)
+    assert not any(n.target is int8_mm_cpu for n in low.graph.nodes)
     torch.testing.assert_close(executor.forward(low, ids), executor.forward(plain.gm, ids))

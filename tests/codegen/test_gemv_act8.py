@@ -17,15 +17,3 @@ def test_int4_gemvs_take_int8_activations_in_half_precision_graphs_only(dtype, a
     nodes = [n for n in low.graph.nodes if n.target is torch.ops.llmaccel.gemv_int4.default]
     assert nodes and all(n.kwargs["act8"] is act8 for n in nodes)
     assert rep.gemv["int4"] == len(nodes) and rep.gemv["act8"] == (len(nodes) if act8 else 0)
-
-
-@pytest.mark.parametrize("dtype,fused", [(torch.float32, False), (torch.bfloat16, True)])
-def test_int8_linears_become_gemv_int8_in_half_precision_graphs_only(dtype, fused):
-    m = compile("preset:tiny-llama", ["fuse", "quant"], {"quant": {"bits": "8", "method": "rtn"}},
-                eval_tokens=0, progress=False)
-    # select="none": the IR ops as a CUDA graph has them (on the CPU, W8 linears take CPU forms)
-    low, rep = lower(copy.deepcopy(m.gm).to(dtype), max_len=64, linear="gemv", select="none")
-    nodes = [n for n in low.graph.nodes if n.target is torch.ops.llmaccel.gemv_int8.default]
-    assert (len(nodes) > 0) is fused and rep.gemv["int8"] == rep.gemv["act8"] == len(nodes)
-    if fused:  # the norms, SiLU-mul and residual adds went inside, as with the other GEMVs
-        assert rep.gemv["glu"] and rep.gemv["residual"] and rep.gemv["norm"]

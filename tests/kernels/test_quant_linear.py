@@ -296,7 +296,32 @@ def test_int8_cuda(M, K, N):
     close(out, qo.linear_int8(x.float(), q8, s8.float()), torch.bfloat16)
 
 
-def test_cpu_lowering_calls_the_int8_aten_form_directly():
+@pytest.mark.parametrize("M,N,K", [(1, 40, 64), (5, 96, 576), (3, 17, 7), (130, 24, 40)])
+def test_int8_mm_cpu_is_x_at_16_bits_a_row_times_the_int8_weight(M, N, K):
+    # x rounded to 16 bits per row (absmax / 32767, half to even); the two int8 halves' int32
+    # sums are exact, their fp32 combination and scaling a few 2^-24 of the largest term
+    from llmaccel.kernels.int_codes import int8_codes_cpu, int8_mm_cpu
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s8 = torch.rand(N, generator=g) * 0.02 + 0.001
+    x = torch.randn(2, M, K, generator=g) * 3
+    x[0, 0, :] = 0  # an all-zero row: scale clamped, output the bias
+    x[1, -1, 0] = 1e4  # an outlier: the row's other elements keep ~1e4 / 65534 of precision
+    b = torch.randn(N, generator=g)
+    out = int8_mm_cpu(x, *int8_codes_cpu(q8, s8), b)
+    xd = x.double()
+    s = xd.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 32767
+    want = torch.nn.functional.linear(torch.round(xd / s) * s, q8.double() * s8.double()[:, None],
+                                      b.double())
+    assert out.dtype == torch.float32 and out.shape == (2, M, N)
+    mag = (xd.abs() @ (q8.double().abs() * s8.double()[:, None]).T).amax() + 1
+    assert ((out.double() - want).abs() <= 2 ** -20 * mag).all()
+    exact = torch.nn.functional.linear(xd, q8.double() * s8.double()[:, None], b.double())
+    assert ((out.double() - exact).abs() <= 2 ** -12 * mag).all()
+    assert int8_mm_cpu(x.bfloat16(), *int8_codes_cpu(q8, s8)).dtype == torch.bfloat16
+
+
+def test_cpu_lowering_calls_the_int8_form_directly():
     from llmaccel.codegen.lower import lower
     from llmaccel.compiler.pipeline import compile
 
@@ -308,8 +333,8 @@ def test_cpu_lowering_calls_the_int8_aten_form_directly():
     pos = torch.arange(9).expand(2, 9)
     ref_out = m.gm(ids, pos, None)
     out = low(ids, pos, None)
-    # the aten form runs x in bf16 (cpu_act_dtype) and sums products before scaling, the
-    # reference scales the weight first: a few bf16 roundings of the logits' scale
+    # the form rounds x to 16 bits per row, the head's weights to int8 per row (half a step of
+    # absmax / 127 a weight)
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2 * ref_out.abs().max().item())
 
 
@@ -370,9 +395,9 @@ def test_the_dotasm_kernel_serves_this_gpu():
 
 @pytest.mark.parametrize("bits", ["4", "8"])
 def test_cpu_forms_compile_with_inductor(bits):
-    """`--compile on` on a CPU: Inductor takes the aten weight-only GEMMs with their weights
-    converted at lowering (a conversion inside the step would be a pointwise node its lowering of
-    those ops refuses)."""
+    """`--compile on` on a CPU: Inductor takes the aten int4 weight-only GEMM and the int8 x int8
+    GEMM with their weights converted at lowering (a conversion inside the step would be a
+    pointwise node its lowering of those ops refuses)."""
     from llmaccel.codegen.lower import lower
     from llmaccel.compiler.pipeline import compile
 
