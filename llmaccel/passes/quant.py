@@ -281,7 +281,8 @@ class _Quantizer:
         """(codes, scales, zeros) of a group's rows, which are independent given H: one GPTQ (or
         RTN) call for the whole group."""
         c = self.cfg
-        H = None if xs is None else _gram(xs)
+        full = "gptq" in c.method or (c.refit and c.bits == 4)  # else only H's diagonal is read
+        H = None if xs is None or not full else _gram(xs)
         if "gptq" in c.method:
             try:
                 q, scale, zero = self._gptq(w_all, H, grid)
@@ -294,7 +295,8 @@ class _Quantizer:
                 H = xs.T @ xs
                 q, scale, zero = self._gptq(w_all, H, grid)
         else:
-            scale, zero = grid.params(w_all, None if H is None else H.diagonal())
+            diag = None if xs is None else xs.float().pow(2).sum(0) if H is None else H.diagonal()
+            scale, zero = grid.params(w_all, diag)
             q = grid.codes(w_all, scale, zero)
         if c.refit and H is not None and c.bits == 4:
             scale = refit_scales(w_all, H, q, scale, zero, grid)
