@@ -268,6 +268,7 @@ def _figures(src, model, dev, batch, prompt_len, gen_len, sampling, speculative,
         "dtype": str(model.dtype).removeprefix("torch."), "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "passes": [p["name"] for p in model.recipe], "speculative": speculative,
+        "pass_options": {p["name"]: p.get("options", {}) for p in model.recipe},
         "prefix_caching": prefix_caching,
         "decode_tok_s": batch * gen_len / gen_s,
         # the decode phase alone (what a KV-cache format changes at long prompts)
