@@ -74,7 +74,7 @@ def test_without_a_compiler_the_step_runs_eagerly_and_says_why(tiny, monkeypatch
 
 
 def test_a_step_that_fails_to_compile_runs_eagerly_and_is_reported(tiny, prompts, reference, monkeypatch):
-    def broken(compiled):
+    def broken(compiled, **_):
         def call(buf):
             raise RuntimeError("inductor broke")
         return call
