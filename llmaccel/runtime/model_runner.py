@@ -15,6 +15,7 @@ import torch
 
 from llmaccel.codegen.lower import lower
 from llmaccel.kernels.int_codes import linear_bf16_cpu
+from llmaccel.ops import quant as qops
 from llmaccel.runtime.cache_backend import CacheBackend
 from llmaccel.runtime.decode import DecodeRunner
 from llmaccel.runtime.graph import runtime_graph
@@ -44,6 +45,9 @@ class ModelRunner:
         if self.sampler_fallback:
             warnings.warn(f"sampling runs in sorted torch ops: the sampling kernel failed its "
                           f"check ({self.sampler_fallback})")
+        if on_cuda and any(n.target is qops.linear_w8a8 for n in rt.graph.nodes):
+            warnings.warn("W8A8 linears (quant.act=int8) have no GPU kernel yet: they run the "
+                          "reference, which dequantizes the weights every step (slower than bf16)")
         self.decode = DecodeRunner(
             model.gm, backend.cache, max_seqs=backend.max_num_seqs, max_blocks=backend.max_blocks,
             max_len=cfg.max_position, capture=capture, compile=compile,
