@@ -22,6 +22,7 @@ import torch
 
 from llmaccel.kernels import cdiv, pdl_enabled, unit_stride
 from llmaccel.kernels.int_codes import packed_words
+from llmaccel.kernels.quant_linear import split_workspace
 from llmaccel.ops.quant import dequantize_int4
 
 try:
@@ -225,24 +226,6 @@ def gemv_a8_config(n_out: int, groups: int, group_size: int, glu: bool, words: i
     return block_n, block_g, warps, cdiv(groups, block_g)
 
 
-_WORKSPACES: dict = {}
-
-
-def _workspace(device, n_partial: int, n_counters: int):
-    """fp32 partials and zeroed tile counters of split-K, kept per (device, sizes): the kernel
-    leaves the counters at zero, so later calls and CUDA graph replays reuse them (one stream).
-    None while a graph is being captured and they do not exist yet (the caller does not split)."""
-    key = (str(device), n_partial, n_counters)
-    hit = _WORKSPACES.get(key)
-    if hit is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        hit = (torch.empty(n_partial, device=device, dtype=torch.float32),
-               torch.zeros(n_counters, device=device, dtype=torch.int32))
-        _WORKSPACES[key] = hit
-    return hit
-
-
 def split_buffers(x, out, M: int, N: int, split: int, cfg: tuple, unsplit) -> tuple:
     """(partials, counters, split, *cfg) of a launch with `split` programs a tile (`out` stands
     in for the buffers unsplit); while a graph is captured before the buffers exist, the launch
@@ -250,7 +233,7 @@ def split_buffers(x, out, M: int, N: int, split: int, cfg: tuple, unsplit) -> tu
     if split == 1:
         return (out, out, 1, *cfg)
     tiles = cdiv(N, cfg[0]) * M  # counters: at least one per (row tile, token)
-    buffers = _workspace(x.device, split * M * N, tiles)
+    buffers = split_workspace(x.device, split * M * N, tiles)
     if buffers is None:
         return (out, out, 1, *unsplit())
     return (*buffers, split, *cfg)

@@ -312,7 +312,7 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
     split = cdiv(G, gps)
     serial = cfg.pop("SERIAL", False) and split > 1 and kernel in ("gemv", "dotasm")
     tiles = cdiv(N, cfg["BLOCK_N"]) * (1 if kernel == "gemv" else cdiv(M, cfg["BLOCK_M"]))
-    ws = _split_workspace(x.device, split * M * N, tiles) if serial else None
+    ws = split_workspace(x.device, split * M * N, tiles) if serial else None
     serial = ws is not None
     out = out_buffer(M, N, x, 1 if serial else split)
     has_bias = bias is not None and (split == 1 or serial)
@@ -347,7 +347,7 @@ def _linear_int4_launch(x, x2, M, N, K, G, qweight, scales, zeros, bias, group_s
 _WORKSPACES: dict = {}
 
 
-def _split_workspace(device, n_partial: int, n_tiles: int):
+def split_workspace(device, n_partial: int, n_tiles: int):
     """fp32 partials and zeroed tile counters for one-launch split-K, kept per (device, sizes):
     the kernel leaves the counters at zero, so a buffer is reused by every later call, also by
     CUDA graph replays (calls on one stream; concurrent streams would share the counters). None

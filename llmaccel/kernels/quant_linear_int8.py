@@ -178,16 +178,16 @@ def prepare_int8_cpu(qweight, scales):
     """int8_codes_cpu's tensors for int8_mm_cpu, converted once at lowering (a conversion inside
     a compiled step is a pointwise node, which Inductor's lowering of the aten op does not take);
     None for anything but int8 codes (N, K) with floating-point scales."""
-    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not scales.is_floating_point():
-        return None
-    return int8_codes_cpu(qweight, scales)
+    return int8_codes_cpu(qweight, scales) if _int8_rows(qweight, scales) else None
 
 
 def prepare_w8a8_cpu(qweight, scales, smooth):
     """(codes as a (K, N) view, fp32 smooth, fp32 scales) for w8a8_mm_cpu, once at lowering."""
-    if qweight.dtype != torch.int8 or qweight.dim() != 2 or not scales.is_floating_point():
-        return None
-    return qweight.t(), smooth.float(), scales.float()
+    return (qweight.t(), smooth.float(), scales.float()) if _int8_rows(qweight, scales) else None
+
+
+def _int8_rows(qweight, scales) -> bool:
+    return qweight.dtype == torch.int8 and qweight.dim() == 2 and scales.is_floating_point()
 
 
 # The lowering calls this form directly on the CPU (see quant_linear.CPU_FORMS).

@@ -295,7 +295,9 @@ class _Quantizer:
                 H = xs.T @ xs
                 q, scale, zero = self._gptq(w_all, H, grid)
         else:
-            diag = None if xs is None else xs.float().pow(2).sum(0) if H is None else H.diagonal()
+            # the int4 range search weighs columns by H's diagonal; int8's ranges are absmax
+            diag = None if xs is None or c.bits == 8 else xs.float().pow(2).sum(0) if H is None \
+                else H.diagonal()
             scale, zero = grid.params(w_all, diag)
             q = grid.codes(w_all, scale, zero)
         if c.refit and H is not None and c.bits == 4:
